@@ -1,0 +1,384 @@
+"""Stage 3: the memory model - fixed bytes, per-stage costs, and the peak of a plan.
+
+Per stage the model needs what JAX's own autodiff keeps (measured by tracing `jax.vjp`
+of the stage, with and without a checkpoint policy), the FLOPs a policy recomputes, and
+the transient workspace XLA needs for the stage's forward and backward (read from XLA's
+buffer assignment of the stage alone). Identical stages (transformer blocks) are
+measured once. `simulate` then walks a plan's schedule - forward through the segments,
+backward in reverse with recomputation - and returns its activation peak and recompute
+cost. The solver optimises exactly this model; verify checks it against XLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from .graph import CostGraph, definitions, jaxpr_flops, last_uses
+from .plan import DOTS, DOTS_NO_BATCH, NOTHING, STORE, Segment
+from .trace import Literal, Program, eval_range
+
+CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+
+
+def compiler_options() -> dict:
+    """XLA options that keep remat: on CPU `cse_barrier_expander` undoes it (DESIGN fact 1)."""
+    return dict(CPU_COMPILER_OPTIONS) if jax.default_backend() == "cpu" else {}
+
+
+def tree_bytes(tree) -> int:
+    return int(sum(np.prod(l.shape, dtype=np.int64) * np.dtype(l.dtype).itemsize
+                   for l in jax.tree.leaves(tree)))
+
+
+# ---------------------------------------------------------------------------------------
+# Fixed memory
+# ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class FixedMemory:
+    """Bytes live for the whole step, whatever the plan."""
+
+    params_bytes: int
+    grads_bytes: int
+    opt_state_bytes: int
+    batch_bytes: int
+    update_temp_bytes: int  # XLA workspace of the optimizer update, after the backward
+
+    @property
+    def total(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.opt_state_bytes + self.batch_bytes
+
+
+def fixed_memory(params, batch, optimizer=None) -> FixedMemory:
+    """Fixed bytes of the step: params, grads (floating leaves), optimizer state, batch."""
+    leaves = jax.tree.leaves(params)
+    grads = sum(int(np.prod(l.shape)) * np.dtype(l.dtype).itemsize for l in leaves
+                if np.issubdtype(l.dtype, np.inexact))
+    opt_bytes = 0
+    update_temp = 0
+    if optimizer is not None:
+        opt_state = jax.eval_shape(optimizer.init, params)
+        opt_bytes = tree_bytes(opt_state)
+        update_temp = _update_temp_bytes(optimizer, params, opt_state)
+    return FixedMemory(tree_bytes(params), grads, opt_bytes, tree_bytes(batch), update_temp)
+
+
+def _update_temp_bytes(optimizer, params, opt_state) -> int:
+    import optax
+
+    def update(grads, state, p):
+        updates, state = optimizer.update(grads, state, p)
+        return optax.apply_updates(p, updates), state
+
+    grads = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, l.dtype), params)
+    compiled = jax.jit(update, donate_argnums=(1, 2)).lower(grads, opt_state, params).compile(
+        compiler_options())
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+# ---------------------------------------------------------------------------------------
+# Stage profiles
+# ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class KeepOption:
+    """One way to run a stage: what it keeps for the backward and what that costs."""
+
+    name: str
+    saved: tuple[int, ...]      # value ids tagged and kept by name (checkpoint options)
+    keep_bytes: int              # activation bytes kept from forward to backward
+    recompute_flops: float       # extra FLOPs in the backward, vs. `store`
+
+
+@dataclasses.dataclass(frozen=True)
+class StageProfile:
+    """Measured costs of one stage (see module docstring)."""
+
+    name: str
+    flops: float
+    options: tuple[KeepOption, ...]  # options[0] is `store`
+    full_bytes: int                  # residuals alive during the stage's backward
+    fwd_temp_bytes: int   # XLA temp of the forward that emits residuals
+    bwd_temp_bytes: int   # XLA temp of forward+backward compiled together
+
+    def option(self, name: str) -> KeepOption:
+        for o in self.options:
+            if o.name == name:
+                return o
+        raise KeyError(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainModel:
+    """Everything the solver needs: per-stage profiles and boundary bytes.
+
+    boundary[k] is the activation bytes crossing into stage k (boundary[0] = 0) and
+    boundary[n] out of the last stage (0: the loss is a scalar).
+    """
+
+    stages: tuple[StageProfile, ...]
+    boundary: tuple[int, ...]
+
+    @property
+    def n(self) -> int:
+        return len(self.stages)
+
+
+def stage_io(program: Program, start: int, stop: int, last=None, defs=None):
+    """Input value ids (used in [start, stop), defined before) and output ids (defined in
+    it, used after it), both sorted."""
+    last = last_uses(program) if last is None else last
+    defs = definitions(program) if defs is None else defs
+    ins, outs = set(), set()
+    for e in program.eqns[start:stop]:
+        for v in e.invars:
+            if isinstance(v, int) and defs[v] < start:
+                ins.add(v)
+        for v in e.outvars:
+            if last.get(v, -1) >= stop:
+                outs.add(v)
+    return sorted(ins), sorted(outs)
+
+
+def make_segment_fn(program: Program, start: int, stop: int, ins, outs,
+                    tag: Sequence[int] = ()) -> Callable:
+    """A function of `ins` values returning `outs` values that replays [start, stop);
+    values in `tag` are wrapped in checkpoint_name so a policy can keep them."""
+    tag = frozenset(tag)
+
+    def fn(*args):
+        env = dict(zip(ins, args))
+        if tag:
+            for e in program.eqns[start:stop]:
+                eval_range_one(program, e, env)
+                for v in e.outvars:
+                    if v in tag:
+                        env[v] = checkpoint_name(env[v], value_name(v))
+        else:
+            eval_range(program, start, stop, env)
+        return [env[v] for v in outs]
+
+    return fn
+
+
+def value_name(vid: int) -> str:
+    return f"rp:v{vid}"
+
+
+def eval_range_one(program: Program, eqn, env) -> None:
+    invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+        ans = eqn.primitive.bind(*invals, **params)
+    if not eqn.primitive.multiple_results:
+        ans = [ans]
+    for vid, val in zip(eqn.outvars, ans):
+        env[vid] = val
+
+
+def _is_float(aval) -> bool:
+    return np.issubdtype(aval.dtype, np.inexact)
+
+
+def _dot_outputs(program: Program, start: int, stop: int, no_batch: bool) -> tuple[int, ...]:
+    picked = []
+    for e in program.eqns[start:stop]:
+        if e.name != "dot_general":
+            continue
+        (_, _), (lhs_batch, _) = e.params["dimension_numbers"]
+        if no_batch and lhs_batch:
+            continue
+        picked.extend(e.outvars)
+    return tuple(picked)
+
+
+def _structure_key(program: Program, start: int, stop: int, ins, outs) -> str:
+    """Same key <=> same computation up to renaming of values (identical blocks)."""
+    local = {v: i for i, v in enumerate(ins)}
+    h = hashlib.sha256()
+    for v in ins:
+        h.update(program.avals[v].str_short().encode())
+    for e in program.eqns[start:stop]:
+        args = []
+        for v in e.invars:
+            args.append(f"L{v.val!r}" if isinstance(v, Literal) else str(local.get(v, "?")))
+        for v in e.outvars:
+            local[v] = len(local)
+        h.update(f"{e.name}|{sorted((k, repr(p)) for k, p in e.params.items())}|{args};".encode())
+    h.update(str([local[v] for v in outs]).encode())
+    return h.hexdigest()
+
+
+def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = True,
+                   progress: Callable[[str], None] | None = None) -> ChainModel:
+    """Measure every stage's keep options, residual bytes and XLA workspace."""
+    last, defs = last_uses(program), definitions(program)
+    free = set(program.invars) | set(program.consts)
+    cache: dict[str, tuple] = {}
+    profiles = []
+    for k, st in enumerate(cost.stages):
+        ins, outs = stage_io(program, st.start, st.stop, last, defs)
+        key = _structure_key(program, st.start, st.stop, ins, outs)
+        if key not in cache:
+            if progress:
+                progress(f"profiling stage {k + 1}/{len(cost.stages)} {st.name}")
+            cache[key] = _profile_one(program, st.start, st.stop, ins, outs, free, measure_xla)
+        opts_local, full, wf, wb, local_names = cache[key]
+        # Saved value ids are local to the first stage with this structure: map them over.
+        mapping = _value_mapping(program, local_names, st.start, st.stop)
+        options = tuple(dataclasses.replace(o, saved=tuple(mapping[v] for v in o.saved))
+                        for o in opts_local)
+        profiles.append(StageProfile(st.name, st.flops, options, full, wf, wb))
+    boundary = [0] + [cost.boundary_bytes(k) for k in range(1, len(cost.stages))] + [0]
+    return ChainModel(tuple(profiles), tuple(int(b) for b in boundary))
+
+
+def _value_mapping(program: Program, ref, start: int, stop: int) -> dict[int, int]:
+    """Map value ids defined in the reference stage to the same position in [start, stop)."""
+    ref_start, ref_stop = ref
+    mapping = {}
+    for ea, eb in zip(program.eqns[ref_start:ref_stop], program.eqns[start:stop]):
+        mapping.update(zip(ea.outvars, eb.outvars))
+    return mapping
+
+
+def _profile_one(program, start, stop, ins, outs, free, measure_xla):
+    fn_outs = [v for v in outs if _is_float(program.avals[v])]
+    in_avals = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype) for v in ins]
+    ct_avals = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype)
+                for v in fn_outs]
+    act_inputs = {i for i, v in enumerate(ins) if v not in free}
+
+    def residual_bytes(f):
+        closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(jax.vjp(f, *a)[1]))(*in_avals)
+        invars = closed.jaxpr.invars
+        seen, total = set(), 0
+        for v in closed.jaxpr.outvars:
+            if isinstance(v, jax.extend.core.Literal) or id(v) in seen:
+                continue
+            seen.add(id(v))
+            if v in invars and invars.index(v) not in act_inputs:
+                continue  # params, batch and constants are live anyway
+            total += int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize
+        return total
+
+    def step_flops(f):
+        closed = jax.make_jaxpr(lambda a, ct: jax.vjp(f, *a)[1](ct))(in_avals, ct_avals)
+        return jaxpr_flops(closed)
+
+    candidates = [(STORE, ()), (NOTHING, ()),
+                  (DOTS_NO_BATCH, _dot_outputs(program, start, stop, True)),
+                  (DOTS, _dot_outputs(program, start, stop, False))]
+    base = make_segment_fn(program, start, stop, ins, fn_outs)
+    base_flops = step_flops(base)
+    options, seen_saved = [], set()
+    for name, saved in candidates:
+        if name != STORE:
+            if saved in seen_saved:
+                continue  # same keep set as an earlier option
+            seen_saved.add(saved)
+            tagged = make_segment_fn(program, start, stop, ins, fn_outs, tag=saved)
+            policy = jax.checkpoint_policies.save_only_these_names(*map(value_name, saved))
+            f = jax.checkpoint(tagged, policy=policy)
+        else:
+            f = base
+        rc = 0.0 if name == STORE else max(0.0, step_flops(f) - base_flops)
+        options.append(KeepOption(name, saved, residual_bytes(f), rc))
+    full = options[0].keep_bytes
+    wf = wb = 0
+    if measure_xla and fn_outs:
+        wf, wb = _xla_workspace(base, in_avals, ct_avals)
+    return tuple(options), full, wf, wb, (start, stop)
+
+
+def _xla_workspace(f, in_avals, ct_avals) -> tuple[int, int]:
+    """XLA temp bytes of the stage's forward (residuals out) and of its forward+backward
+    compiled together, where XLA's fusion decides what is really kept."""
+    opts = compiler_options()
+    fwd = jax.jit(lambda *a: jax.vjp(f, *a))
+    wf = fwd.lower(*in_avals).compile(opts).memory_analysis().temp_size_in_bytes
+    both = jax.jit(lambda a, ct: jax.vjp(f, *a)[1](ct))
+    wb = both.lower(in_avals, ct_avals).compile(opts).memory_analysis().temp_size_in_bytes
+    return int(wf), int(wb)
+
+
+# ---------------------------------------------------------------------------------------
+# The model of a plan
+# ---------------------------------------------------------------------------------------
+
+def leaf_fwd_peak(chain: ChainModel, i: int, option: KeepOption) -> int:
+    s = chain.stages[i]
+    return chain.boundary[i] + chain.boundary[i + 1] + option.keep_bytes + s.fwd_temp_bytes
+
+
+def leaf_bwd_peak(chain: ChainModel, i: int) -> int:
+    # bwd_temp_bytes is XLA's temp for the stage's forward+backward compiled together: it
+    # holds the residuals as XLA keeps them (after fusion) and the backward's workspace.
+    s = chain.stages[i]
+    return 2 * chain.boundary[i] + chain.boundary[i + 1] + s.bwd_temp_bytes
+
+
+def region_fwd_peak(chain: ChainModel, a: int, b: int) -> int:
+    """Forward of a checkpointed region over stages [a, b): its input is kept, each stage
+    runs without keeping residuals."""
+    return chain.boundary[a] + max(
+        chain.boundary[j] + chain.boundary[j + 1] + chain.stages[j].fwd_temp_bytes
+        for j in range(a, b))
+
+
+def segment_keep(chain: ChainModel, seg: Segment) -> int:
+    if seg.children:
+        return chain.boundary[seg.start]
+    return chain.stages[seg.start].option(seg.option).keep_bytes
+
+
+def simulate(chain: ChainModel, segments: Sequence[Segment]) -> tuple[int, float]:
+    """Activation peak (bytes above fixed memory) and recompute FLOPs of a plan.
+
+    Walks the schedule explicitly: forward through the segments keeping what each keeps,
+    then backward in reverse; a checkpointed region's backward recomputes its forward
+    with its children's plan, keeping its input meanwhile.
+    """
+    return _run(chain, segments, 0, inside_region=False)
+
+
+def _run(chain, segments, live: int, inside_region: bool) -> tuple[int, float]:
+    peak, cost = live, 0.0
+    kept_before = []
+    for idx, seg in enumerate(segments):
+        kept_before.append(live)
+        if seg.children:
+            peak = max(peak, live + region_fwd_peak(chain, seg.start, seg.stop))
+        else:
+            opt = chain.stages[seg.start].option(seg.option)
+            peak = max(peak, live + leaf_fwd_peak(chain, seg.start, opt))
+        live += segment_keep(chain, seg)
+        if inside_region:
+            cost += _recompute_forward_cost(chain, seg, last=idx == len(segments) - 1)
+    for seg, before in zip(reversed(segments), reversed(kept_before)):
+        if seg.children:
+            sub_peak, sub_cost = _run(chain, seg.children, before + chain.boundary[seg.start],
+                                      inside_region=True)
+            peak = max(peak, sub_peak)
+            cost += sub_cost
+        else:
+            peak = max(peak, before + leaf_bwd_peak(chain, seg.start))
+            cost += chain.stages[seg.start].option(seg.option).recompute_flops
+    return peak, cost
+
+
+def _recompute_forward_cost(chain: ChainModel, seg: Segment, last: bool) -> float:
+    """FLOPs a region's recomputation spends on this child's forward. The last child's
+    forward is only needed for what it keeps (its output feeds nothing inside)."""
+    if not last:
+        return sum(chain.stages[j].flops for j in range(seg.start, seg.stop))
+    if seg.children:
+        return 0.0
+    stage = chain.stages[seg.start]
+    return max(0.0, stage.flops - stage.option(seg.option).recompute_flops)

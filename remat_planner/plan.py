@@ -1,0 +1,172 @@
+"""The Plan: a frozen, serialisable segment tree that compiles to jax.checkpoint regions."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Callable
+
+PLAN_FORMAT_VERSION = 1
+
+STORE = "store"            # no checkpoint: the backward keeps every residual it needs
+NOTHING = "nothing"        # checkpoint keeping only the segment's inputs
+DOTS_NO_BATCH = "dots_no_batch"  # ... plus outputs of dot_general without batch dims
+DOTS = "dots"              # ... plus outputs of every dot_general
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Stages [start, stop) of the chain, run with one keep option.
+
+    A `store` segment is one stage outside any checkpoint. Any other segment is one
+    `jax.checkpoint` region whose policy keeps the values named in `saved` (program value
+    ids, tagged with `checkpoint_name`); a region over several stages keeps only its
+    inputs and contains `children`, which are segments again (nested checkpoints).
+    """
+
+    start: int
+    stop: int
+    option: str
+    saved: tuple[int, ...] = ()
+    children: tuple["Segment", ...] = ()
+
+    @property
+    def is_checkpoint(self) -> bool:
+        return self.option != STORE
+
+    def to_dict(self) -> dict:
+        d: dict[str, Any] = {"start": self.start, "stop": self.stop, "option": self.option}
+        if self.saved:
+            d["saved"] = list(self.saved)
+        if self.children:
+            d["children"] = [c.to_dict() for c in self.children]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Segment":
+        return cls(int(d["start"]), int(d["stop"]), str(d["option"]),
+                   tuple(int(v) for v in d.get("saved", ())),
+                   tuple(cls.from_dict(c) for c in d.get("children", ())))
+
+    def depth(self) -> int:
+        return (1 if self.is_checkpoint else 0) + max((c.depth() for c in self.children), default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageInfo:
+    """What a plan needs to know of a stage: its equation range and name."""
+
+    start: int
+    stop: int
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A rematerialization plan for one traced training step.
+
+    Attributes:
+      segments: the top-level segments, covering all stages in order.
+      stages: equation ranges of the stages the segments refer to.
+      fingerprint: hash of the traced computation the plan was made for.
+      budget_bytes: the budget the plan was solved for (whole step).
+      predicted_peak_bytes: the memory model's peak of the planned step.
+      measured_peak_bytes: XLA's peak of the planned step, or None if not verified.
+      recompute_flops: extra FLOPs the plan spends recomputing, by the cost model.
+      fixed_bytes: params + grads + optimizer state + batch.
+      step_flops: FLOPs of the unplanned step (forward + backward), by the cost model.
+    """
+
+    segments: tuple[Segment, ...]
+    stages: tuple[StageInfo, ...]
+    fingerprint: str
+    budget_bytes: int
+    predicted_peak_bytes: int
+    recompute_flops: float
+    fixed_bytes: int
+    step_flops: float
+    measured_peak_bytes: int | None = None
+    measured_flops: float | None = None
+    metadata: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
+
+    # -- use ----------------------------------------------------------------------------
+
+    def apply(self, loss_fn: Callable) -> Callable:
+        """`loss_fn` with the same signature whose gradient follows this plan."""
+        from .apply import apply_plan
+        return apply_plan(self, loss_fn)
+
+    @property
+    def recompute_overhead(self) -> float:
+        """Recompute FLOPs as a fraction of the unplanned step's FLOPs."""
+        return self.recompute_flops / self.step_flops if self.step_flops else 0.0
+
+    def fits(self) -> bool | None:
+        if self.measured_peak_bytes is None:
+            return None
+        return self.measured_peak_bytes <= self.budget_bytes
+
+    # -- serialisation ------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return {
+            "format": "remat-planner/plan",
+            "version": PLAN_FORMAT_VERSION,
+            "fingerprint": self.fingerprint,
+            "budget_bytes": self.budget_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "measured_peak_bytes": self.measured_peak_bytes,
+            "recompute_flops": self.recompute_flops,
+            "measured_flops": self.measured_flops,
+            "fixed_bytes": self.fixed_bytes,
+            "step_flops": self.step_flops,
+            "stages": [[s.start, s.stop, s.name] for s in self.stages],
+            "segments": [s.to_dict() for s in self.segments],
+            "metadata": self.metadata,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        """Load a plan written by `to_json`; a damaged file raises PlanMismatchError."""
+        from .errors import PlanMismatchError
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanMismatchError(f"plan file is not valid JSON ({e.msg} at line {e.lineno}); "
+                                    "re-run remat-plan --out to write it again") from None
+        try:
+            if d.get("format") != "remat-planner/plan" or d.get("version") != PLAN_FORMAT_VERSION:
+                raise ValueError(f"format {d.get('format')!r} version {d.get('version')!r}")
+            stages = tuple(StageInfo(int(a), int(b), str(n)) for a, b, n in d["stages"])
+            segments = tuple(Segment.from_dict(s) for s in d["segments"])
+            plan = cls(segments, stages, str(d["fingerprint"]), int(d["budget_bytes"]),
+                       int(d["predicted_peak_bytes"]), float(d["recompute_flops"]),
+                       int(d["fixed_bytes"]), float(d["step_flops"]),
+                       None if d.get("measured_peak_bytes") is None else int(d["measured_peak_bytes"]),
+                       None if d.get("measured_flops") is None else float(d["measured_flops"]),
+                       dict(d.get("metadata", {})))
+            validate_segments(plan.segments, len(plan.stages))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PlanMismatchError(f"plan file is damaged or not a remat-planner plan ({e}); "
+                                    "re-run remat-plan --out to write it again") from None
+        return plan
+
+
+def validate_segments(segments, n_stages: int, start: int = 0) -> None:
+    """Check that segments tile stages [start, n_stages) in order; ValueError if not."""
+    pos = start
+    for s in segments:
+        if s.start != pos or s.stop <= s.start:
+            raise ValueError(f"segment [{s.start}, {s.stop}) does not continue at stage {pos}")
+        if s.option not in (STORE, NOTHING, DOTS_NO_BATCH, DOTS):
+            raise ValueError(f"unknown keep option {s.option!r}")
+        if s.option == STORE and (s.stop - s.start != 1 or s.children):
+            raise ValueError("a store segment is exactly one stage without children")
+        if s.children:
+            validate_segments(s.children, s.stop, s.start)
+        pos = s.stop
+    if pos != n_stages:
+        raise ValueError(f"segments end at stage {pos}, expected {n_stages}")

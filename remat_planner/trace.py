@@ -1,0 +1,197 @@
+"""Stage 1: trace a loss function to a flat program of equations on abstract shapes.
+
+Nested `jit` / `closed_call` equations are inlined so that segments can cut through
+them; calls with their own differentiation rules (custom_jvp / custom_vjp) and control
+flow stay single equations. Each equation keeps its Flax module path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+# Call primitives whose body is plain JAX and can be inlined without changing semantics.
+_INLINE_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Literal:
+    """A constant operand written into an equation."""
+
+    val: Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Eqn:
+    """One equation of the flat program; values are integer ids."""
+
+    primitive: Any
+    params: dict
+    invars: tuple  # of int | Literal
+    outvars: tuple[int, ...]
+    module_path: str
+    ctx: Any  # JaxprEqnContext: compute type, threefry settings ...
+
+    @property
+    def name(self) -> str:
+        return self.primitive.name
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+    """The traced loss function as a flat list of equations over integer value ids.
+
+    Attributes:
+      eqns: equations in trace (topological) order.
+      invars: ids of the flattened arguments: params leaves first, then batch leaves.
+      n_param_leaves: how many of `invars` are parameter leaves.
+      consts: id -> concrete constant captured by the trace.
+      outvars: ids (or Literals) of the outputs; a single scalar loss.
+      avals: id -> abstract value (shape, dtype).
+      in_tree: pytree structure of (params, *batch).
+    """
+
+    eqns: tuple[Eqn, ...]
+    invars: tuple[int, ...]
+    n_param_leaves: int
+    consts: dict
+    outvars: tuple
+    avals: dict
+    in_tree: Any
+
+    def nbytes(self, vid: int) -> int:
+        aval = self.avals[vid]
+        return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+    def fingerprint(self) -> str:
+        """Hash of the computation's structure: shapes, dtypes, primitives, wiring."""
+        h = hashlib.sha256()
+        h.update(str(self.in_tree).encode())
+        for v in self.invars:
+            h.update(f"{self.avals[v].str_short()};".encode())
+        for e in self.eqns:
+            ins = ",".join(str(i) if isinstance(i, int) else "L" for i in e.invars)
+            outs = ",".join(f"{o}:{self.avals[o].str_short()}" for o in e.outvars)
+            h.update(f"{e.name}({ins})->{outs};".encode())
+        return h.hexdigest()[:16]
+
+
+def _abstractify(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def trace(loss_fn: Callable, params, *batch) -> Program:
+    """Trace `loss_fn(params, *batch)` on abstract shapes into a flat Program.
+
+    Args:
+      loss_fn: a JAX function returning a scalar.
+      params, batch: arrays or jax.ShapeDtypeStruct pytrees; nothing is allocated.
+    """
+    from .errors import UnsupportedModelError
+
+    abstract_args = _abstractify((params, *batch))
+    closed = jax.make_jaxpr(lambda p, *b: loss_fn(p, *b))(*abstract_args)
+    outs = closed.out_avals
+    if len(outs) != 1 or getattr(outs[0], "shape", None) != ():
+        shapes = ", ".join(str(a) for a in outs)
+        raise UnsupportedModelError(
+            f"loss_fn must return one scalar, got ({shapes}); reduce the loss (e.g. jnp.mean) "
+            "before planning")
+    if not np.issubdtype(outs[0].dtype, np.floating):
+        raise UnsupportedModelError(f"loss_fn must return a floating scalar, got {outs[0]}")
+    n_param_leaves = len(jax.tree.leaves(abstract_args[0]))
+    if not any(np.issubdtype(l.dtype, np.floating) for l in jax.tree.leaves(abstract_args[0])):
+        raise UnsupportedModelError(
+            "params have no floating-point leaves, so there is nothing to differentiate; "
+            "pass the trainable parameters as the first argument of loss_fn")
+
+    builder = _Flattener()
+    invars = tuple(builder.new(v.aval) for v in closed.jaxpr.invars)
+    env = dict(zip(closed.jaxpr.invars, invars))
+    for cv, val in zip(closed.jaxpr.constvars, closed.consts):
+        env[cv] = builder.const(cv.aval, val)
+    outvars = builder.inline(closed.jaxpr, env, prefix="")
+    in_tree = jax.tree.structure(abstract_args)
+    return Program(tuple(builder.eqns), invars, n_param_leaves, builder.consts, tuple(outvars),
+                   builder.avals, in_tree)
+
+
+class _Flattener:
+    def __init__(self):
+        self.eqns: list[Eqn] = []
+        self.avals: dict[int, Any] = {}
+        self.consts: dict[int, Any] = {}
+
+    def new(self, aval) -> int:
+        vid = len(self.avals)
+        self.avals[vid] = aval
+        return vid
+
+    def const(self, aval, val) -> int:
+        vid = self.new(aval)
+        self.consts[vid] = val
+        return vid
+
+    def inline(self, jaxpr, env, prefix: str):
+        def read(v):
+            if isinstance(v, jcore.Literal):
+                return Literal(v.val)
+            return env[v]
+
+        for eqn in jaxpr.eqns:
+            path = _join(prefix, str(eqn.source_info.name_stack))
+            invals = [read(v) for v in eqn.invars]
+            if eqn.primitive.name in _INLINE_PRIMITIVES:
+                inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+                inner_jaxpr = inner.jaxpr if hasattr(inner, "jaxpr") else inner
+                inner_env = {}
+                for cv, val in zip(inner_jaxpr.constvars, getattr(inner, "consts", ())):
+                    inner_env[cv] = self.const(cv.aval, val)
+                for iv, val in zip(inner_jaxpr.invars, invals):
+                    if isinstance(val, Literal):
+                        inner_env[iv] = self.const(iv.aval, val.val)
+                    else:
+                        inner_env[iv] = val
+                results = self.inline(inner_jaxpr, inner_env, path)
+                for ov, res in zip(eqn.outvars, results):
+                    if isinstance(ov, jcore.DropVar):
+                        continue
+                    if isinstance(res, Literal):
+                        res = self.const(ov.aval, res.val)
+                    env[ov] = res
+                continue
+            outs = []
+            for ov in eqn.outvars:
+                vid = self.new(ov.aval)
+                if not isinstance(ov, jcore.DropVar):
+                    env[ov] = vid
+                outs.append(vid)
+            self.eqns.append(Eqn(eqn.primitive, dict(eqn.params), tuple(invals), tuple(outs), path,
+                                 eqn.ctx))
+        return [read(v) for v in jaxpr.outvars]
+
+
+def _join(prefix: str, name: str) -> str:
+    if not prefix:
+        return name
+    if not name or name.startswith(prefix):
+        return name or prefix
+    return f"{prefix}/{name}"
+
+
+def eval_range(program: Program, lo: int, hi: int, env: dict) -> None:
+    """Evaluate equations [lo, hi) in place on `env` (id -> value), as eval_jaxpr does."""
+    for eqn in program.eqns[lo:hi]:
+        invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
+        bind_params = eqn.primitive.get_bind_params(eqn.params)
+        with eqn.ctx.manager:
+            ans = eqn.primitive.bind(*invals, **bind_params)
+        if not eqn.primitive.multiple_results:
+            ans = [ans]
+        for vid, val in zip(eqn.outvars, ans):
+            env[vid] = val

@@ -1,0 +1,99 @@
+"""Stage 6: compile a step and read XLA's own peak and FLOPs; jit training steps.
+
+Nothing is allocated: steps are lowered on abstract shapes and XLA's buffer assignment
+is read from `memory_analysis()`. On CPU every compile carries the option that keeps
+remat (DESIGN fact 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from .memory import compiler_options
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """XLA's figures for one compiled step.
+
+    peak_bytes = argument + output - alias + temp (`peak_memory_in_bytes` leaves out
+    temp on CPU, so it is not used).
+    """
+
+    peak_bytes: int
+    flops: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    compile_seconds: float
+
+
+def as_batch(batch) -> tuple:
+    """Batch arguments as a tuple: loss_fn(params, *batch)."""
+    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+
+
+def abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def make_step(loss_fn: Callable, optimizer=None) -> Callable:
+    """The step a budget bounds: value_and_grad + optimizer update, or just the grad."""
+    if optimizer is None:
+        def grad_step(params, batch):
+            return jax.grad(loss_fn)(params, *batch)
+        return grad_step
+
+    import optax
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    return step
+
+
+def measure(loss_fn: Callable, params, batch, optimizer=None) -> Measurement:
+    """Compile the training step of `loss_fn` on abstract shapes and read XLA's peak/FLOPs.
+
+    With `optimizer`, the step is value_and_grad + update with params and optimizer state
+    donated; without, it is jax.grad(loss_fn).
+    """
+    batch = abstract(as_batch(batch))
+    params = abstract(params)
+    step = make_step(loss_fn, optimizer)
+    if optimizer is None:
+        lowered = jax.jit(step).lower(params, batch)
+    else:
+        opt_state = jax.eval_shape(optimizer.init, params)
+        lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, batch)
+    t0 = time.perf_counter()
+    compiled = lowered.compile(compiler_options())
+    seconds = time.perf_counter() - t0
+    ma = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, Sequence):  # older JAX returned a list of dicts
+        cost = cost[0]
+    peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+            + ma.temp_size_in_bytes)
+    return Measurement(int(peak), float(cost.get("flops", 0.0)), int(ma.argument_size_in_bytes),
+                       int(ma.output_size_in_bytes), int(ma.alias_size_in_bytes),
+                       int(ma.temp_size_in_bytes), seconds)
+
+
+def train_step(loss_fn: Callable, optimizer, plan=None) -> Callable:
+    """Jitted (params, opt_state, batch) -> (params, opt_state, loss) following `plan`.
+
+    `batch` is the tuple of loss_fn's batch arguments. Params and optimizer state are
+    donated.
+    """
+    planned = plan.apply(loss_fn) if plan is not None else loss_fn
+    step = make_step(planned, optimizer)
+    return jax.jit(lambda p, s, b: step(p, s, as_batch(b)), donate_argnums=(0, 1),
+                   compiler_options=compiler_options())
