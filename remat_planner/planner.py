@@ -19,7 +19,7 @@ from .budget import parse_budget
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph, build_cost_graph
 from .memory import ChainModel, FixedMemory, fixed_memory, profile_stages, simulate
-from .plan import STORE, Plan, Segment, StageInfo
+from .plan import NOTHING, STORE, Plan, Segment, StageInfo
 from .solve import ChainSolver
 from .trace import Program, trace
 from .verify import Measurement, as_batch, measure
@@ -37,13 +37,21 @@ class Analysis:
     fixed: FixedMemory
     noremat_activation_bytes: int
     step_flops: float  # forward + backward FLOPs of the unplanned step, by the cost model
+    noremat: Measurement | None = None  # XLA's figures for the step without remat
+    # XLA peak minus modelled peak of the step without remat: what per-stage measurement
+    # misses (buffers XLA keeps across stages, fusion across stage cuts). Added to every
+    # prediction; 0 when not calibrated.
+    calibration_bytes: int = 0
+    residual_scale: float = 1.0   # fitted scale on `store` residual bytes (see _calibrate)
+    workspace_scale: float = 1.0  # fitted scale on stage workspaces (see _calibrate)
 
     @property
     def noremat_predicted_peak(self) -> int:
         return self.predicted_peak(self.noremat_activation_bytes)
 
     def predicted_peak(self, activation_bytes: int) -> int:
-        return self.fixed.total + max(activation_bytes, self.fixed.update_temp_bytes)
+        return (self.fixed.total + max(activation_bytes, self.fixed.update_temp_bytes)
+                + self.calibration_bytes)
 
     @property
     def stage_infos(self) -> tuple[StageInfo, ...]:
@@ -51,8 +59,12 @@ class Analysis:
 
 
 def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bool = True,
-            progress: Progress | None = None) -> Analysis:
-    """Trace, build the cost graph and profile every stage (nothing allocated)."""
+            calibrate: bool = True, progress: Progress | None = None) -> Analysis:
+    """Trace, build the cost graph and profile every stage (nothing allocated).
+
+    With `calibrate`, the step without remat is compiled once and the model is offset by
+    the difference between XLA's peak and the modelled one.
+    """
     batch = as_batch(batch)
     say = progress or (lambda msg: None)
     say("tracing")
@@ -65,7 +77,73 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
     noremat_peak, _ = simulate(chain, store_all)
     # forward + backward of the unplanned step: backward ~ 2x forward for dots
     step_flops = 3.0 * cost.total_flops
-    return Analysis(program, cost, chain, fixed, noremat_peak, step_flops)
+    an = Analysis(program, cost, chain, fixed, noremat_peak, step_flops)
+    if calibrate:
+        say("measuring the step without remat (calibration)")
+        noremat = measure(loss_fn, params, batch, optimizer)
+        an = _calibrate(dataclasses.replace(an, noremat=noremat,
+                                            step_flops=noremat.flops or step_flops),
+                        loss_fn, params, batch, optimizer, say)
+    return an
+
+
+def _scaled(chain: ChainModel, alpha: float, beta: float) -> ChainModel:
+    """The chain with `store` residuals scaled by alpha and stage workspaces by beta."""
+    stages = []
+    for s in chain.stages:
+        opts = (dataclasses.replace(s.options[0], keep_bytes=int(s.options[0].keep_bytes * alpha)),
+                *s.options[1:])
+        stages.append(dataclasses.replace(
+            s, options=opts, full_bytes=int(s.full_bytes * alpha),
+            fwd_temp_bytes=int(s.fwd_temp_bytes * beta), bwd_temp_bytes=int(s.bwd_temp_bytes * beta)))
+    return dataclasses.replace(chain, stages=tuple(stages))
+
+
+def _fit_scale(f: Callable[[float], int], target: int, lo: float = 0.1, hi: float = 4.0) -> float:
+    """Bisection for a scale s in [lo, hi] with f(s) ~= target (f non-decreasing)."""
+    if f(lo) >= target:
+        return lo
+    if f(hi) <= target:
+        return hi
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _calibrate(an: Analysis, loss_fn, params, batch, optimizer, say) -> Analysis:
+    """Fit the model to XLA on two steps: without remat, and every stage checkpointed.
+
+    Per-stage residual bytes come from JAX's autodiff at the jaxpr level, and stage
+    workspaces from XLA compiling each stage alone; in the whole program XLA's fusion
+    keeps fewer or more. Two scales are fitted by alternating bisection: `alpha` on the
+    residuals a stage keeps without checkpoint (it sets the no-remat peak) and `beta` on
+    the stage workspaces (they set the peak when every stage is checkpointed). What is
+    left of the no-remat gap is an additive offset. Checkpoint options keep named tensors,
+    which XLA keeps as they are, so their bytes are not scaled.
+    """
+    n = an.chain.n
+    store_all = [Segment(i, i + 1, STORE) for i in range(n)]
+    ckpt_all = tuple(Segment(i, i + 1, NOTHING) for i in range(n))
+    say("measuring the step with every stage checkpointed (calibration)")
+    ckpt_plan = _plan_from_segments(an, ckpt_all, 0, 0, params, batch)
+    ckpt_measured = measure(ckpt_plan.apply(loss_fn), params, batch, optimizer).peak_bytes
+
+    def total(chain, segments):
+        act, _ = simulate(chain, segments)
+        return an.fixed.total + max(act, an.fixed.update_temp_bytes)
+
+    alpha = beta = 1.0
+    for _ in range(4):
+        beta = _fit_scale(lambda b: total(_scaled(an.chain, alpha, b), ckpt_all), ckpt_measured)
+        alpha = _fit_scale(lambda a: total(_scaled(an.chain, a, beta), store_all),
+                           an.noremat.peak_bytes)
+    chain = _scaled(an.chain, alpha, beta)
+    act, _ = simulate(chain, store_all)
+    offset = an.noremat.peak_bytes - total(chain, store_all)
+    return dataclasses.replace(an, chain=chain, noremat_activation_bytes=act,
+                               calibration_bytes=offset, residual_scale=alpha,
+                               workspace_scale=beta)
 
 
 def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bool = True,
@@ -90,14 +168,15 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     batch = as_batch(batch)
     say = progress or (lambda msg: None)
     an = analysis or analyze(loss_fn, params, batch, optimizer, progress=say)
-    solver = ChainSolver(an.chain, max(an.noremat_activation_bytes, budget_bytes - an.fixed.total, 1))
-    min_act = solver.min_feasible_bytes() or 0
-    min_budget = an.predicted_peak(min_act)
+    overhead = an.fixed.total + an.calibration_bytes
+    solver = ChainSolver(an.chain, max(an.noremat_activation_bytes, budget_bytes - overhead, 1))
+    min_act = solver.min_feasible_bytes()
+    min_budget = an.predicted_peak(min_act if min_act is not None else an.noremat_activation_bytes)
     target = budget_bytes
     last_measure: Measurement | None = None
     for round_ in range(max_rounds):
-        act_budget = target - an.fixed.total
-        if an.fixed.total + an.fixed.update_temp_bytes > target:
+        act_budget = target - overhead
+        if overhead + an.fixed.update_temp_bytes > target:
             act_budget = -1
         solution = solver.solve(act_budget) if act_budget >= 0 else None
         if solution is None:
@@ -123,13 +202,20 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
 
 
 def _make_plan(an: Analysis, solution, budget_bytes: int, params, batch) -> Plan:
+    return _plan_from_segments(an, solution.segments, budget_bytes,
+                               an.predicted_peak(solution.activation_peak_bytes), params, batch,
+                               solution.recompute_flops)
+
+
+def _plan_from_segments(an: Analysis, segments, budget_bytes: int, predicted: int, params, batch,
+                        recompute_flops: float = 0.0) -> Plan:
     return Plan(
-        segments=solution.segments,
+        segments=tuple(segments),
         stages=an.stage_infos,
         fingerprint=an.program.fingerprint(),
         budget_bytes=int(budget_bytes),
-        predicted_peak_bytes=int(an.predicted_peak(solution.activation_peak_bytes)),
-        recompute_flops=float(solution.recompute_flops),
+        predicted_peak_bytes=int(predicted),
+        recompute_flops=float(recompute_flops),
         fixed_bytes=int(an.fixed.total),
         step_flops=float(an.step_flops),
         metadata={"signature": input_signature(params, batch),

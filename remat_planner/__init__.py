@@ -1,0 +1,26 @@
+"""remat-planner: fit a JAX training step into a byte budget with the least recomputation.
+
+    import remat_planner as rp
+    plan = rp.plan(loss_fn, params, batch, budget="12GB", optimizer=optax.adamw(1e-3))
+    planned_loss = plan.apply(loss_fn)
+    step = rp.train_step(loss_fn, optimizer, plan)
+    m = rp.measure(planned_loss, params, batch, optimizer=optimizer)
+
+Pipeline, one module per stage: trace -> graph -> memory -> solve -> apply -> verify.
+"""
+
+from .budget import format_bytes, parse_budget
+from .errors import (BudgetError, ConfigError, InfeasibleBudgetError, PlanMismatchError,
+                     RematPlannerError, UnsupportedModelError)
+from .plan import Plan, Segment
+from .planner import Analysis, analyze, measure_builtin_policies, plan
+from .verify import Measurement, measure, train_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Analysis", "BudgetError", "ConfigError", "InfeasibleBudgetError", "Measurement", "Plan",
+    "PlanMismatchError", "RematPlannerError", "Segment", "UnsupportedModelError", "analyze",
+    "format_bytes", "measure", "measure_builtin_policies", "parse_budget", "plan",
+    "train_step",
+]

@@ -1,0 +1,286 @@
+"""`remat-plan`: plan, verify and train from a YAML config. A thin layer over the API.
+
+Exit codes: 0 ok; 2 bad input (missing file, bad YAML, unknown model or field, bad
+budget); 3 budget infeasible (the message states the smallest feasible budget);
+1 unexpected internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Sequence
+
+EXIT_CODES = """exit codes:
+  0  success
+  2  bad input: missing/unreadable config, invalid YAML, unknown model type or field,
+     wrong field type, unparseable or non-positive budget, plan file mismatch
+  3  budget infeasible: below the smallest feasible plan (the message states it)
+  1  unexpected internal error (please report it)"""
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="remat-plan",
+        description="Plan activation rematerialization for a JAX training step so it fits a "
+                    "memory budget, verify the fit with XLA, and compare with JAX's built-in "
+                    "checkpoint policies. Subcommand: `remat-plan train CONFIG ...` runs "
+                    "training steps with the plan.",
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="YAML config, e.g. configs/gpt2-small.yaml")
+    _common(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--out", metavar="PLAN.json", help="write the plan to this file")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip compiling with XLA (no measured peaks, no policy comparison)")
+    p.add_argument("--no-compare", action="store_true",
+                   help="skip measuring JAX's built-in per-block policies")
+    return p
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="remat-plan train",
+        description="Plan for the budget, then run real optimizer steps on synthetic data "
+                    "on this machine with the plan applied.",
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="YAML config, e.g. configs/gpt2-tiny.yaml")
+    _common(p)
+    p.add_argument("--steps", type=int, default=50, help="training steps (default 50)")
+    p.add_argument("--json", action="store_true", help="print the loss curve as JSON")
+    return p
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--budget", required=True,
+                   help="memory for the whole step: params + grads + optimizer state + batch + "
+                        "activations, e.g. 12GB (10^9) or 11GiB (2^30) or bytes")
+    p.add_argument("--batch-size", type=int, help="override the config's batch_size")
+    p.add_argument("--seq-len", type=int, help="override the config's seq_len")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from .errors import RematPlannerError
+    try:
+        if argv[:1] == ["train"]:
+            args = _train_parser().parse_args(argv[1:])
+            return _train(args)
+        args = _plan_parser().parse_args(argv)
+        return _plan(args)
+    except RematPlannerError as e:
+        print(f"remat-plan: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("remat-plan: interrupted", file=sys.stderr)
+        return 130
+
+
+def _load(args):
+    from .budget import parse_budget
+    from .config import build_workload, load_config, make_optimizer
+    budget = parse_budget(args.budget)
+    cfg = load_config(args.config, batch_size=args.batch_size, seq_len=args.seq_len)
+    return cfg, build_workload(cfg), make_optimizer(cfg.optimizer), budget
+
+
+def _progress(console, enabled: bool):
+    """A status spinner on stderr that shows the pipeline's current step."""
+    if not enabled:
+        return None, (lambda msg: None)
+    status = console.status("starting", spinner="dots")
+    status.start()
+    t0 = time.perf_counter()
+    return status, (lambda msg: status.update(f"[{time.perf_counter() - t0:5.1f}s] {msg}"))
+
+
+def _plan(args) -> int:
+    from rich.console import Console
+
+    from . import planner as pl
+    from .verify import measure
+
+    err = Console(stderr=True)
+    cfg, wl, optimizer, budget = _load(args)
+    status, say = _progress(err, err.is_terminal and not args.json)
+    t0 = time.perf_counter()
+    try:
+        an = pl.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, optimizer,
+                        calibrate=not args.no_verify, progress=say)
+        plan = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer,
+                       verify=not args.no_verify, analysis=an, progress=say)
+        baselines = {}
+        if not args.no_verify and not args.no_compare:
+            baselines["no_remat"] = an.noremat
+            for name, policy in pl.BUILTIN_POLICIES.items():
+                say(f"measuring built-in policy {name} per block")
+                loss = pl.builtin_policy_loss(wl.loss_fn, wl.abstract_params, wl.abstract_batch,
+                                              policy)
+                baselines[name] = measure(loss, wl.abstract_params, wl.abstract_batch, optimizer)
+    finally:
+        if status is not None:
+            status.stop()
+    seconds = time.perf_counter() - t0
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(plan.to_json())
+    report = _report(cfg, wl, an, plan, baselines, seconds)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        _print_report(report, plan, an)
+        if args.out:
+            Console().print(f"plan written to {args.out}")
+    return 0
+
+
+def _report(cfg, wl, an, plan, baselines, seconds) -> dict:
+    noremat_flops = an.noremat.flops if an.noremat else None
+
+    def overhead(m):
+        return None if not noremat_flops else (m.flops - noremat_flops) / noremat_flops
+
+    return {
+        "config": str(cfg.type),
+        "model": {**wl.info, "param_count": wl.param_count},
+        "budget_bytes": plan.budget_bytes,
+        "fixed": {"params_bytes": an.fixed.params_bytes, "grads_bytes": an.fixed.grads_bytes,
+                  "opt_state_bytes": an.fixed.opt_state_bytes,
+                  "batch_bytes": an.fixed.batch_bytes, "total_bytes": an.fixed.total},
+        "no_remat": {"predicted_peak_bytes": an.noremat_predicted_peak,
+                     "measured_peak_bytes": an.noremat.peak_bytes if an.noremat else None,
+                     "flops": noremat_flops},
+        "plan": {
+            "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "measured_peak_bytes": plan.measured_peak_bytes,
+            "fits": plan.fits(),
+            "recompute_flops_predicted": plan.recompute_flops,
+            "recompute_overhead_predicted": plan.recompute_overhead,
+            "measured_flops": plan.measured_flops,
+            "recompute_overhead_measured": (None if plan.measured_flops is None or not noremat_flops
+                                            else (plan.measured_flops - noremat_flops) / noremat_flops),
+            "segments": [_segment_row(plan, s) for s in plan.segments],
+        },
+        "builtin_policies": {name: {"measured_peak_bytes": m.peak_bytes, "flops": m.flops,
+                                    "recompute_overhead": overhead(m)}
+                             for name, m in baselines.items()},
+        "seconds": round(seconds, 2),
+    }
+
+
+def _segment_row(plan, seg, depth: int = 0) -> dict:
+    from rich.markup import escape
+    names = [escape(plan.stages[i].name) for i in range(seg.start, seg.stop)]
+    row = {"stages": [seg.start, seg.stop], "modules": names[0] if len(names) == 1
+           else f"{names[0]} .. {names[-1]}", "keep": seg.option, "saved_values": len(seg.saved)}
+    if seg.children:
+        row["children"] = [_segment_row(plan, c, depth + 1) for c in seg.children]
+    return row
+
+
+def _print_report(report: dict, plan, an) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.tree import Tree
+
+    from .budget import format_bytes_short as fb
+    console = Console()
+    m = report["model"]
+    head = Table(title="model", show_header=False)
+    for k, v in m.items():
+        head.add_row(k, f"{v:,}" if isinstance(v, int) else str(v))
+    console.print(head)
+
+    mem = Table(title="step memory", show_header=True)
+    mem.add_column("what")
+    mem.add_column("bytes", justify="right")
+    fx = report["fixed"]
+    for k in ("params_bytes", "grads_bytes", "opt_state_bytes", "batch_bytes", "total_bytes"):
+        mem.add_row(f"fixed: {k[:-6].replace('_', ' ')}", fb(fx[k]))
+    nr = report["no_remat"]
+    mem.add_row("no remat: peak (XLA)", fb(nr["measured_peak_bytes"]) if nr["measured_peak_bytes"]
+                else "not verified")
+    mem.add_row("budget", fb(report["budget_bytes"]))
+    pr = report["plan"]
+    mem.add_row("plan: predicted peak", fb(pr["predicted_peak_bytes"]))
+    mem.add_row("plan: XLA-verified peak", fb(pr["measured_peak_bytes"])
+                if pr["measured_peak_bytes"] else "not verified")
+    over = pr["recompute_overhead_measured"]
+    mem.add_row("plan: recompute overhead", f"{100 * pr['recompute_overhead_predicted']:.1f}% "
+                f"predicted" + (f", {100 * over:.1f}% by XLA FLOPs" if over is not None else ""))
+    console.print(mem)
+
+    tree = Tree(f"plan: {len(plan.segments)} top-level segments")
+    _add_segments(tree, pr["segments"])
+    console.print(tree)
+
+    if report["builtin_policies"]:
+        cmp_ = Table(title="same step, JAX built-in policies per block (XLA)")
+        for col in ("policy", "peak", "fits budget", "recompute overhead"):
+            cmp_.add_column(col, justify="right" if col != "policy" else "left")
+        rows = dict(report["builtin_policies"])
+        rows["remat-planner"] = {"measured_peak_bytes": pr["measured_peak_bytes"],
+                                 "recompute_overhead": over}
+        for name, r in rows.items():
+            ov = r["recompute_overhead"]
+            cmp_.add_row(name, fb(r["measured_peak_bytes"]),
+                         "yes" if r["measured_peak_bytes"] <= report["budget_bytes"] else "no",
+                         "-" if ov is None else f"{100 * ov:.1f}%")
+        console.print(cmp_)
+    console.print(f"done in {report['seconds']:.1f}s")
+
+
+def _add_segments(tree, rows) -> None:
+    for r in rows:
+        label = f"stages {r['stages'][0]}-{r['stages'][1] - 1} {r['modules']}: {r['keep']}"
+        if r["saved_values"]:
+            label += f" ({r['saved_values']} named values kept)"
+        node = tree.add(label)
+        if "children" in r:
+            _add_segments(node, r["children"])
+
+
+def _train(args) -> int:
+    import jax
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from . import planner as pl
+    from .verify import train_step
+
+    if args.steps <= 0:
+        from .errors import ConfigError
+        raise ConfigError(f"--steps must be positive, got {args.steps}")
+    cfg, wl, optimizer, budget = _load(args)
+    console = Console(stderr=True)
+    with console.status("planning"):
+        plan = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer)
+    console.print(f"plan: XLA peak {plan.measured_peak_bytes:,} bytes <= budget "
+                  f"{plan.budget_bytes:,}; predicted recompute {100 * plan.recompute_overhead:.1f}%")
+    key = jax.random.key(cfg.seed)
+    params = wl.init_params(key)
+    opt_state = optimizer.init(params)
+    step = train_step(wl.loss_fn, optimizer, plan)
+    # A fixed pool of synthetic batches, cycled, so the loss has something to go down on.
+    pool = [wl.synthetic_batch(jax.random.fold_in(key, i)) for i in range(4)]
+    losses = []
+    with Progress(console=console, transient=False) as bar:
+        task = bar.add_task("training", total=args.steps)
+        for i in range(args.steps):
+            params, opt_state, loss = step(params, opt_state, pool[i % len(pool)])
+            losses.append(float(loss))
+            bar.update(task, advance=1, description=f"training loss {losses[-1]:.4f}")
+    result = {"steps": args.steps, "first_loss": losses[0], "last_loss": losses[-1],
+              "losses": losses, "measured_peak_bytes": plan.measured_peak_bytes,
+              "budget_bytes": plan.budget_bytes}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        Console().print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

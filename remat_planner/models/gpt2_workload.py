@@ -1,0 +1,93 @@
+"""Settings schema and Workload builder for the GPT-2 model in gpt2.py."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from remat_planner.errors import ConfigError
+from remat_planner.models import Workload, register_model
+from remat_planner.models.gpt2 import GPT2, GPT2Config, lm_loss
+
+
+class GPT2Settings(BaseModel):
+    """The `model:` section of a gpt2 config; defaults are GPT-2 small (124M)."""
+
+    # strict ints: a YAML `true` or `12.5` is a mistake, not a size.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    vocab_size: int = Field(50257, gt=0, strict=True, description="Number of token ids.")
+    n_layer: int = Field(12, gt=0, strict=True, description="Number of transformer blocks.")
+    n_head: int = Field(12, gt=0, strict=True, description="Attention heads per block; must divide d_model.")
+    d_model: int = Field(768, gt=0, strict=True, description="Residual stream width.")
+    max_seq_len: int = Field(1024, gt=0, strict=True, description="Rows of the position embedding; upper bound on seq_len.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Activation/compute dtype (params stay float32).")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> GPT2Settings:
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        return self
+
+
+@register_model("gpt2", config_cls=GPT2Settings)
+def build_gpt2(settings: GPT2Settings, batch_size: int, seq_len: int) -> Workload:
+    """Build a next-token-prediction Workload for GPT-2.
+
+    Args:
+        settings: Validated model settings.
+        batch_size: Sequences per step.
+        seq_len: Tokens per sequence fed to the model (the batch holds seq_len + 1 for labels).
+
+    Returns:
+        A Workload whose batch is `(tokens,)`, tokens int32 [batch_size, seq_len + 1].
+
+    Raises:
+        ConfigError: If batch_size/seq_len are not positive or seq_len > max_seq_len.
+    """
+    if batch_size <= 0 or seq_len <= 0:
+        raise ConfigError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
+    if seq_len > settings.max_seq_len:
+        raise ConfigError(
+            f"field 'seq_len': {seq_len} exceeds model.max_seq_len {settings.max_seq_len}; "
+            "lower seq_len or raise model.max_seq_len"
+        )
+    model = GPT2(GPT2Config(**settings.model_dump()))
+
+    @jax.jit
+    def init_params(key: jax.Array) -> Any:
+        # Params do not depend on batch or length, so a 1x1 dummy input keeps init cheap.
+        return model.init(key, jnp.zeros((1, 1), jnp.int32))["params"]
+
+    def synthetic_batch(key: jax.Array) -> tuple[jax.Array]:
+        tokens = jax.random.randint(key, (batch_size, seq_len + 1), 0, settings.vocab_size, dtype=jnp.int32)
+        return (tokens,)
+
+    # Shape-only key and params: tracing allocates no device buffers.
+    abstract_params = jax.eval_shape(init_params, jax.eval_shape(jax.random.key, 0))
+    param_count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params))
+    return Workload(
+        name=f"gpt2-{settings.n_layer}l-{settings.d_model}d",
+        loss_fn=functools.partial(lm_loss, model),
+        abstract_params=abstract_params,
+        abstract_batch=(jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32),),
+        init_params=init_params,
+        synthetic_batch=synthetic_batch,
+        param_count=param_count,
+        info={
+            "type": "gpt2",
+            "dtype": settings.dtype,
+            "batch_size": batch_size,
+            "seq_len": seq_len,
+            "n_layer": settings.n_layer,
+            "n_head": settings.n_head,
+            "d_model": settings.d_model,
+            "vocab_size": settings.vocab_size,
+            "param_count": param_count,
+        },
+    )
