@@ -112,20 +112,24 @@ def _fit_scale(f: Callable[[float], int], target: int, lo: float = 0.1, hi: floa
 
 
 def _calibrate(an: Analysis, loss_fn, params, batch, optimizer, say) -> Analysis:
-    """Fit the model to XLA on two steps: without remat, and every stage checkpointed.
+    """Fit the model to XLA on two steps: without remat, and every stage but the last
+    checkpointed.
 
     Per-stage residual bytes come from JAX's autodiff at the jaxpr level, and stage
     workspaces from XLA compiling each stage alone; in the whole program XLA's fusion
     keeps fewer or more. Two scales are fitted by alternating bisection: `alpha` on the
     residuals a stage keeps without checkpoint (it sets the no-remat peak) and `beta` on
-    the stage workspaces (they set the peak when every stage is checkpointed). What is
+    the stage workspaces (they set the peak when stages are checkpointed). What is
     left of the no-remat gap is an additive offset. Checkpoint options keep named tensors,
     which XLA keeps as they are, so their bytes are not scaled.
     """
     n = an.chain.n
     store_all = [Segment(i, i + 1, STORE) for i in range(n)]
-    ckpt_all = tuple(Segment(i, i + 1, NOTHING) for i in range(n))
-    say("measuring the step with every stage checkpointed (calibration)")
+    # The last stage (usually the head and loss) stays outside: checkpointing it is rarely
+    # worth its recompute, so plans almost always keep it, and XLA treats a kept last
+    # stage differently from a recomputed one.
+    ckpt_all = tuple(Segment(i, i + 1, NOTHING if i < n - 1 else STORE) for i in range(n))
+    say("measuring the step with every stage but the last checkpointed (calibration)")
     ckpt_plan = _plan_from_segments(an, ckpt_all, 0, 0, params, batch)
     ckpt_measured = measure(ckpt_plan.apply(loss_fn), params, batch, optimizer).peak_bytes
 
@@ -167,44 +171,76 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     budget_bytes = parse_budget(budget)
     batch = as_batch(batch)
     say = progress or (lambda msg: None)
-    an = analysis or analyze(loss_fn, params, batch, optimizer, progress=say)
+    an = analysis or analyze(loss_fn, params, batch, optimizer, calibrate=verify, progress=say)
     overhead = an.fixed.total + an.calibration_bytes
     solver = ChainSolver(an.chain, max(an.noremat_activation_bytes, budget_bytes - overhead, 1))
     min_act = solver.min_feasible_bytes()
     min_budget = an.predicted_peak(min_act if min_act is not None else an.noremat_activation_bytes)
-    target = budget_bytes
-    last_measure: Measurement | None = None
-    for round_ in range(max_rounds):
+
+    def solve_for(target: int):
         act_budget = target - overhead
-        if overhead + an.fixed.update_temp_bytes > target:
-            act_budget = -1
-        solution = solver.solve(act_budget) if act_budget >= 0 else None
-        if solution is None:
-            floor = max(min_budget, budget_bytes + (budget_bytes - target))
-            detail = "" if round_ == 0 else (
-                f"XLA measured {last_measure.peak_bytes} bytes for the best plan")
-            raise InfeasibleBudgetError(budget_bytes, floor, detail)
-        p = _make_plan(an, solution, budget_bytes, params, batch)
-        if not verify:
-            return p
+        if act_budget < an.fixed.update_temp_bytes:
+            return None
+        return solver.solve(act_budget)
+
+    first = solve_for(budget_bytes)
+    if first is None:
+        raise InfeasibleBudgetError(budget_bytes, min_budget)
+    if not verify:
+        return _make_plan(an, first, budget_bytes, params, batch, correction=0)
+
+    # Closed loop. `target` is the budget handed to the model; the gap between XLA's
+    # peak and the model's for the last measured plan is the correction carried into
+    # the next prediction. Over budget: lower the target by the excess. Under budget
+    # with slack below a target that failed: bisect upwards for a cheaper plan.
+    target, solution, correction = budget_bytes, first, 0
+    best: Plan | None = None
+    failed_target: int | None = None
+    last_peak = None
+    for round_ in range(max_rounds):
+        p = _make_plan(an, solution, budget_bytes, params, batch, correction)
         say(f"verifying with XLA (round {round_ + 1})")
         m = measure(p.apply(loss_fn), params, batch, optimizer)
-        last_measure = m
-        p = dataclasses.replace(p, measured_peak_bytes=m.peak_bytes, measured_flops=m.flops)
+        last_peak = m.peak_bytes
+        p = dataclasses.replace(p, measured_peak_bytes=m.peak_bytes, measured_flops=m.flops,
+                                metadata={**p.metadata, "verify_rounds": round_ + 1})
+        correction = m.peak_bytes - (p.predicted_peak_bytes - correction)
         if m.peak_bytes <= budget_bytes:
-            return p
-        excess = m.peak_bytes - budget_bytes
-        say(f"XLA peak {m.peak_bytes} exceeds budget by {excess} bytes; re-solving")
-        target -= excess + max(1, solver.quantum)
+            if best is None or p.recompute_flops < best.recompute_flops:
+                best = p
+            slack = budget_bytes - m.peak_bytes
+            if slack < 0.01 * budget_bytes:
+                break
+            # The model was conservative by `slack`: spend it, but stay below a target
+            # that already failed.
+            next_target = target + slack
+            if failed_target is not None:
+                next_target = min(next_target, (target + failed_target) // 2)
+        else:
+            failed_target = target
+            excess = m.peak_bytes - budget_bytes
+            say(f"XLA peak {m.peak_bytes} exceeds budget by {excess} bytes; re-solving")
+            next_target = target - excess - solver.quantum
+            if best is not None:
+                next_target = max(next_target, (best_target + target) // 2)
+        if best is p:
+            best_target = target
+        next_solution = solve_for(next_target)
+        if next_solution is None or next_solution.segments == solution.segments:
+            break
+        target, solution = next_target, next_solution
+    if best is not None:
+        return dataclasses.replace(best, metadata={**best.metadata, "verify_rounds": round_ + 1})
     raise InfeasibleBudgetError(
-        budget_bytes, budget_bytes + (budget_bytes - target),
-        f"after {max_rounds} rounds XLA still measured {last_measure.peak_bytes} bytes")
+        budget_bytes, max(min_budget, budget_bytes + 1),
+        f"no plan the model allows measured within the budget after {round_ + 1} XLA "
+        f"round(s) (last XLA peak {last_peak} bytes)")
 
 
-def _make_plan(an: Analysis, solution, budget_bytes: int, params, batch) -> Plan:
+def _make_plan(an: Analysis, solution, budget_bytes: int, params, batch, correction: int) -> Plan:
     return _plan_from_segments(an, solution.segments, budget_bytes,
-                               an.predicted_peak(solution.activation_peak_bytes), params, batch,
-                               solution.recompute_flops)
+                               an.predicted_peak(solution.activation_peak_bytes) + correction,
+                               params, batch, solution.recompute_flops)
 
 
 def _plan_from_segments(an: Analysis, segments, budget_bytes: int, predicted: int, params, batch,

@@ -17,7 +17,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .memory import (ChainModel, leaf_bwd_peak, leaf_fwd_peak, region_fwd_peak, simulate)
+from .memory import (ChainModel, last_child_forward_flops, leaf_bwd_peak, leaf_fwd_peak,
+                     region_fwd_peak, simulate)
 from .plan import NOTHING, STORE, Segment
 
 INF = math.inf
@@ -41,7 +42,7 @@ class ChainSolver:
       resolution: number of memory units; sizes are rounded up to max_bytes/resolution.
     """
 
-    def __init__(self, chain: ChainModel, max_bytes: int, resolution: int = 4000):
+    def __init__(self, chain: ChainModel, max_bytes: int, resolution: int = 16000):
         self.chain = chain
         self.n = chain.n
         self.quantum = max(1, math.ceil(max_bytes / resolution))
@@ -93,8 +94,9 @@ class ChainSolver:
         p = np.full(self.units + 1, INF)
         for (kind, opt), c, keep, base in self._first_segments(a, b):
             if c == b:
-                last_cost = fsum(a, c) - opt.recompute_flops if opt is not None else 0.0
-                q_excl = np.minimum(q_excl, base + max(0.0, last_cost))
+                last_cost = (last_child_forward_flops(self.chain.stages[a], opt.name)
+                             if opt is not None else 0.0)
+                q_excl = np.minimum(q_excl, base + last_cost)
                 p = np.minimum(p, base)
             else:
                 q_excl = np.minimum(q_excl, base + fsum(a, c) + self._shift(self.Q[(c, b)], keep))
@@ -149,7 +151,7 @@ class ChainSolver:
             if c == b:
                 extra = 0.0
                 if not top and opt is not None:
-                    extra = max(0.0, fsum(a, c) - opt.recompute_flops)
+                    extra = last_child_forward_flops(self.chain.stages[a], opt.name)
                 val = base[m] + extra
             else:
                 if m - keep < 0:

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from .memory import compiler_options
+from .memory import compiler_options, measure_compiler_options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +74,7 @@ def measure(loss_fn: Callable, params, batch, optimizer=None) -> Measurement:
         opt_state = jax.eval_shape(optimizer.init, params)
         lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, batch)
     t0 = time.perf_counter()
-    compiled = lowered.compile(compiler_options())
+    compiled = lowered.compile(measure_compiler_options())
     seconds = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     cost = compiled.cost_analysis()
