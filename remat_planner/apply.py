@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import jax
+import numpy as np
 
 from .errors import PlanMismatchError
 from .graph import definitions, last_uses
@@ -21,9 +22,8 @@ from .trace import Literal, Program, eval_range, trace
 
 def input_signature(params, batch: Sequence) -> list[str]:
     """Shapes and dtypes of the batch leaves plus the parameter count, for messages."""
-    sig = [f"{jax.numpy.dtype(l.dtype).name}{list(l.shape)}" for l in jax.tree.leaves(batch)]
-    n_params = sum(int(jax.numpy.size(l)) if hasattr(l, "size") else 0
-                   for l in jax.tree.leaves(params))
+    sig = [f"{np.dtype(l.dtype).name}{list(np.shape(l))}" for l in jax.tree.leaves(batch)]
+    n_params = sum(int(np.prod(np.shape(l), dtype=np.int64)) for l in jax.tree.leaves(params))
     return [f"params: {n_params} values"] + [f"batch[{i}]: {s}" for i, s in enumerate(sig)]
 
 

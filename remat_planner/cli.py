@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 EXIT_CODES = """exit codes:
@@ -106,20 +107,31 @@ def _plan(args) -> int:
     cfg, wl, optimizer, budget = _load(args)
     status, say = _progress(err, err.is_terminal and not args.json)
     t0 = time.perf_counter()
+    compare = not args.no_verify and not args.no_compare
+    # The built-in policies do not depend on the plan: measure them on a worker thread
+    # while the planner runs (XLA compiles release the GIL, so the two overlap).
+    pool = ThreadPoolExecutor(max_workers=1) if compare else None
+    futures = {}
+    if pool is not None:
+        for name, policy in pl.BUILTIN_POLICIES.items():
+            loss = pl.builtin_policy_loss(wl.loss_fn, wl.abstract_params, wl.abstract_batch,
+                                          policy)
+            futures[name] = pool.submit(measure, loss, wl.abstract_params, wl.abstract_batch,
+                                        optimizer)
     try:
         an = pl.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, optimizer,
                         calibrate=not args.no_verify, progress=say)
         plan = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer,
                        verify=not args.no_verify, analysis=an, progress=say)
         baselines = {}
-        if not args.no_verify and not args.no_compare:
+        if compare:
             baselines["no_remat"] = an.noremat
-            for name, policy in pl.BUILTIN_POLICIES.items():
-                say(f"measuring built-in policy {name} per block")
-                loss = pl.builtin_policy_loss(wl.loss_fn, wl.abstract_params, wl.abstract_batch,
-                                              policy)
-                baselines[name] = measure(loss, wl.abstract_params, wl.abstract_batch, optimizer)
+            say("measuring JAX's built-in policies per block")
+            for name, fut in futures.items():
+                baselines[name] = fut.result()
     finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         if status is not None:
             status.stop()
     seconds = time.perf_counter() - t0

@@ -53,6 +53,11 @@ class Analysis:
         return (self.fixed.total + max(activation_bytes, self.fixed.update_temp_bytes)
                 + self.calibration_bytes)
 
+    def min_feasible_budget(self) -> int:
+        """The smallest whole-step budget the model finds a plan for."""
+        solver = ChainSolver(self.chain, max(self.noremat_activation_bytes, 1))
+        return self.predicted_peak(solver.min_feasible_bytes() or 0)
+
     @property
     def stage_infos(self) -> tuple[StageInfo, ...]:
         return tuple(StageInfo(s.start, s.stop, s.name) for s in self.cost.stages)
@@ -196,12 +201,13 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     target, solution, correction = budget_bytes, first, 0
     best: Plan | None = None
     failed_target: int | None = None
-    last_peak = None
+    tried = [solution.segments]
+    lowest_peak = None
     for round_ in range(max_rounds):
         p = _make_plan(an, solution, budget_bytes, params, batch, correction)
         say(f"verifying with XLA (round {round_ + 1})")
         m = measure(p.apply(loss_fn), params, batch, optimizer)
-        last_peak = m.peak_bytes
+        lowest_peak = m.peak_bytes if lowest_peak is None else min(lowest_peak, m.peak_bytes)
         p = dataclasses.replace(p, measured_peak_bytes=m.peak_bytes, measured_flops=m.flops,
                                 metadata={**p.metadata, "verify_rounds": round_ + 1})
         correction = m.peak_bytes - (p.predicted_peak_bytes - correction)
@@ -226,15 +232,20 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
         if best is p:
             best_target = target
         next_solution = solve_for(next_target)
-        if next_solution is None or next_solution.segments == solution.segments:
+        if next_solution is None and best is None:
+            # Below what the model allows: the most frugal plan is the last thing to try.
+            next_target = target
+            next_solution = solver.solve(solver.min_feasible_bytes() or 0)
+        if next_solution is None or next_solution.segments in tried:
             break
+        tried.append(next_solution.segments)
         target, solution = next_target, next_solution
     if best is not None:
         return dataclasses.replace(best, metadata={**best.metadata, "verify_rounds": round_ + 1})
     raise InfeasibleBudgetError(
-        budget_bytes, max(min_budget, budget_bytes + 1),
-        f"no plan the model allows measured within the budget after {round_ + 1} XLA "
-        f"round(s) (last XLA peak {last_peak} bytes)")
+        budget_bytes, max(min_budget, lowest_peak),
+        f"XLA measured every plan tried over the budget ({round_ + 1} round(s), lowest "
+        f"peak {lowest_peak} bytes)")
 
 
 def _make_plan(an: Analysis, solution, budget_bytes: int, params, batch, correction: int) -> Plan:
