@@ -21,7 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .graph import CostGraph, definitions, jaxpr_flops, last_uses
 from .plan import DOTS, DOTS_NO_BATCH, NOTHING, STORE, Segment
-from .trace import Literal, Program, eval_range
+from .trace import Literal, Program, eval_eqn, eval_range
 
 CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
@@ -168,7 +168,7 @@ def make_segment_fn(program: Program, start: int, stop: int, ins, outs,
         env = dict(zip(ins, args))
         if tag:
             for e in program.eqns[start:stop]:
-                eval_range_one(program, e, env)
+                eval_eqn(e, env)
                 for v in e.outvars:
                     if v in tag:
                         env[v] = checkpoint_name(env[v], value_name(v))
@@ -181,17 +181,6 @@ def make_segment_fn(program: Program, start: int, stop: int, ins, outs,
 
 def value_name(vid: int) -> str:
     return f"rp:v{vid}"
-
-
-def eval_range_one(program: Program, eqn, env) -> None:
-    invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
-    params = eqn.primitive.get_bind_params(eqn.params)
-    with eqn.ctx.manager:
-        ans = eqn.primitive.bind(*invals, **params)
-    if not eqn.primitive.multiple_results:
-        ans = [ans]
-    for vid, val in zip(eqn.outvars, ans):
-        env[vid] = val
 
 
 def _is_float(aval) -> bool:

@@ -184,14 +184,20 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}/{name}"
 
 
+def eval_eqn(eqn: Eqn, env: dict) -> None:
+    """Evaluate one equation on `env` (id -> value) by binding its primitive, as
+    jax.core.eval_jaxpr does; under a trace this re-emits the equation."""
+    invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+        ans = eqn.primitive.bind(*invals, **bind_params)
+    if not eqn.primitive.multiple_results:
+        ans = [ans]
+    for vid, val in zip(eqn.outvars, ans):
+        env[vid] = val
+
+
 def eval_range(program: Program, lo: int, hi: int, env: dict) -> None:
-    """Evaluate equations [lo, hi) in place on `env` (id -> value), as eval_jaxpr does."""
+    """Evaluate equations [lo, hi) in place on `env`."""
     for eqn in program.eqns[lo:hi]:
-        invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
-        bind_params = eqn.primitive.get_bind_params(eqn.params)
-        with eqn.ctx.manager:
-            ans = eqn.primitive.bind(*invals, **bind_params)
-        if not eqn.primitive.multiple_results:
-            ans = [ans]
-        for vid, val in zip(eqn.outvars, ans):
-            env[vid] = val
+        eval_eqn(eqn, env)
