@@ -338,6 +338,17 @@ def segment_keep(chain: ChainModel, seg: Segment) -> int:
     return chain.stages[seg.start].option(seg.option).keep_bytes
 
 
+@dataclasses.dataclass(frozen=True)
+class TimelinePoint:
+    """Modelled activation bytes live (above fixed memory) at one step of the schedule."""
+
+    phase: str         # "forward", "recompute" (a region's forward in the backward) or "backward"
+    start: int         # stage range [start, stop) being run
+    stop: int
+    live_bytes: int    # kept activations plus this step's transient peak
+    kept_bytes: int    # of which: kept from earlier stages (what is "live" before it)
+
+
 def simulate(chain: ChainModel, segments: Sequence[Segment]) -> tuple[int, float]:
     """Activation peak (bytes above fixed memory) and recompute FLOPs of a plan.
 
@@ -348,27 +359,41 @@ def simulate(chain: ChainModel, segments: Sequence[Segment]) -> tuple[int, float
     return _run(chain, segments, 0, inside_region=False)
 
 
-def _run(chain, segments, live: int, inside_region: bool) -> tuple[int, float]:
+def timeline(chain: ChainModel, segments: Sequence[Segment]) -> list[TimelinePoint]:
+    """The schedule `simulate` walks, one point per segment step; max(live) is the peak."""
+    events: list[TimelinePoint] = []
+    _run(chain, segments, 0, inside_region=False, events=events)
+    return events
+
+
+def _run(chain, segments, live: int, inside_region: bool, events=None) -> tuple[int, float]:
     peak, cost = live, 0.0
     kept_before = []
+    fwd_phase = "recompute" if inside_region else "forward"
     for idx, seg in enumerate(segments):
         kept_before.append(live)
         if seg.children:
-            peak = max(peak, live + region_fwd_peak(chain, seg.start, seg.stop))
+            step = live + region_fwd_peak(chain, seg.start, seg.stop)
         else:
             opt = chain.stages[seg.start].option(seg.option)
-            peak = max(peak, live + leaf_fwd_peak(chain, seg.start, opt))
+            step = live + leaf_fwd_peak(chain, seg.start, opt)
+        peak = max(peak, step)
+        if events is not None:
+            events.append(TimelinePoint(fwd_phase, seg.start, seg.stop, step, live))
         live += segment_keep(chain, seg)
         if inside_region:
             cost += _recompute_forward_cost(chain, seg, last=idx == len(segments) - 1)
     for seg, before in zip(reversed(segments), reversed(kept_before)):
         if seg.children:
             sub_peak, sub_cost = _run(chain, seg.children, before + chain.boundary[seg.start],
-                                      inside_region=True)
+                                      inside_region=True, events=events)
             peak = max(peak, sub_peak)
             cost += sub_cost
         else:
-            peak = max(peak, before + leaf_bwd_peak(chain, seg.start))
+            step = before + leaf_bwd_peak(chain, seg.start)
+            peak = max(peak, step)
+            if events is not None:
+                events.append(TimelinePoint("backward", seg.start, seg.stop, step, before))
             cost += chain.stages[seg.start].option(seg.option).recompute_flops
     return peak, cost
 

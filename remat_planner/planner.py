@@ -223,10 +223,13 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
             if failed_target is not None:
                 next_target = min(next_target, (target + failed_target) // 2)
         else:
-            failed_target = target
+            # Lower from the failed plan's own modelled peak, not from the target: the plan
+            # may have sat well below the target, and the same plan would come back.
+            modelled = min(target, overhead + solution.activation_peak_bytes)
+            failed_target = modelled
             excess = m.peak_bytes - budget_bytes
             say(f"XLA peak {m.peak_bytes} exceeds budget by {excess} bytes; re-solving")
-            next_target = target - excess - solver.quantum
+            next_target = modelled - excess - solver.quantum
             if best is not None:
                 next_target = max(next_target, (best_target + target) // 2)
         if best is p:
