@@ -215,7 +215,7 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
             if best is None or p.recompute_flops < best.recompute_flops:
                 best = p
             slack = budget_bytes - m.peak_bytes
-            if slack < 0.01 * budget_bytes:
+            if slack < 0.02 * budget_bytes:
                 break
             # The model was conservative by `slack`: spend it, but stay below a target
             # that already failed.
