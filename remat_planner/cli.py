@@ -63,7 +63,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _join_negative_budget(list(sys.argv[1:] if argv is None else argv))
     from .errors import RematPlannerError
     try:
         if argv[:1] == ["train"]:
@@ -77,6 +77,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("remat-plan: interrupted", file=sys.stderr)
         return 130
+
+
+def _join_negative_budget(argv: list[str]) -> list[str]:
+    """`--budget -5GB` would read as an unknown option; join it so the budget parser can
+    say what is wrong with the value."""
+    out = []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--budget" and i + 1 < len(argv) and argv[i + 1][:1] == "-" \
+                and argv[i + 1][1:2].isdigit():
+            out.append(f"--budget={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
 
 
 def _load(args):

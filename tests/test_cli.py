@@ -79,6 +79,7 @@ with open(TINY) as _f:
      "n_layer"),
     (lambda t: [TINY, "--budget", "12GBs"], "12GBs"),
     (lambda t: [TINY, "--budget=-5GB"], "-5GB"),
+    (lambda t: [TINY, "--budget", "-5GB"], "-5GB"),
     (lambda t: [TINY, "--budget", "twelve"], "twelve"),
     (lambda t: [TINY, "--budget", "0"], "budget"),
     (lambda t: [TINY, "--budget", "1GB", "--batch-size", "0"], "batch_size"),
