@@ -27,8 +27,9 @@ def _plan_parser() -> argparse.ArgumentParser:
         prog="remat-plan",
         description="Plan activation rematerialization for a JAX training step so it fits a "
                     "memory budget, verify the fit with XLA, and compare with JAX's built-in "
-                    "checkpoint policies. Subcommand: `remat-plan train CONFIG ...` runs "
-                    "training steps with the plan.",
+                    "checkpoint policies. Subcommands: `remat-plan explain CONFIG ...` shows "
+                    "what the plan keeps and recomputes and draws memory.png; "
+                    "`remat-plan train CONFIG ...` runs training steps with the plan.",
         epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="YAML config, e.g. configs/gpt2-small.yaml")
     _common(p)
@@ -54,6 +55,22 @@ def _train_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _explain_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="remat-plan explain",
+        description="Plan for the budget and explain it: per segment (by Flax module) the "
+                    "tensors it keeps, what it recomputes and what that costs, the nesting "
+                    "as a tree; with --out, explain.json and memory.png (modelled live bytes "
+                    "over the step with and without the plan, XLA peaks as points).",
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="YAML config, e.g. configs/gpt2-small.yaml")
+    _common(p)
+    p.add_argument("--out", metavar="DIR", help="write explain.json and memory.png here")
+    p.add_argument("--json", action="store_true", help="print the explanation as JSON")
+    p.add_argument("--no-verify", action="store_true", help="skip XLA (model only)")
+    return p
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", required=True,
                    help="memory for the whole step: params + grads + optimizer state + batch + "
@@ -66,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = _join_negative_budget(list(sys.argv[1:] if argv is None else argv))
     from .errors import RematPlannerError
     try:
+        if argv[:1] == ["explain"]:
+            args = _explain_parser().parse_args(argv[1:])
+            return _explain(args)
         if argv[:1] == ["train"]:
             args = _train_parser().parse_args(argv[1:])
             return _train(args)
@@ -268,6 +288,78 @@ def _add_segments(tree, rows) -> None:
         node = tree.add(label)
         if "children" in r:
             _add_segments(node, r["children"])
+
+
+def _explain(args) -> int:
+    import os
+
+    from rich.console import Console
+
+    from . import planner as pl
+    from .explain import explain, flax_names, plot_memory
+
+    cfg, wl, optimizer, budget = _load(args)
+    err = Console(stderr=True)
+    status, say = _progress(err, err.is_terminal and not args.json)
+    try:
+        an = pl.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, optimizer,
+                        calibrate=not args.no_verify, progress=say)
+        plan = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer,
+                       verify=not args.no_verify, analysis=an, progress=say)
+        say("explaining")
+        ex = explain(an, plan)
+        report = {**ex.to_dict(), "flax_names": flax_names(an, plan)}
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "explain.json"), "w") as f:
+                json.dump(report, f, indent=1)
+            plot_memory(an, plan, os.path.join(args.out, "memory.png"))
+    finally:
+        if status is not None:
+            status.stop()
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        _print_explanation(ex)
+        if args.out:
+            Console().print(f"wrote {args.out}/explain.json and {args.out}/memory.png")
+    return 0
+
+
+def _print_explanation(ex) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+    from rich.tree import Tree
+
+    from .budget import format_bytes_short as fb
+    console = Console()
+    tree = Tree("plan")
+
+    def walk(node, segs, depth):
+        for s in segs:
+            name = s.modules[0] if len(s.modules) == 1 else f"{s.modules[0]} .. {s.modules[-1]}"
+            node_s = node.add(f"{escape(name)}: {s.option}, keeps {fb(s.saved_bytes)}, recomputes "
+                              f"{s.recompute_flops / 1e9:.1f} GFLOP "
+                              f"({100 * s.recompute_flops / ex.step_flops:.2f}% of the step)")
+            walk(node_s, s.children, depth + 1)
+            table = Table(title=f"{escape(name)} [{s.option}]", title_justify="left")
+            for col in ("kept", "module", "produced by", "shape", "dtype", "bytes"):
+                table.add_column(col, justify="right" if col == "bytes" else "left")
+            for t in s.kept:
+                table.add_row(t.what, escape(t.module), t.primitive, str(list(t.shape)), t.dtype,
+                              fb(t.nbytes))
+            tables.append(table)
+
+    tables = []
+    walk(tree, ex.segments, 0)
+    for t in tables:
+        console.print(t)
+    console.print(tree)
+    measured = fb(ex.measured_peak_bytes) if ex.measured_peak_bytes else "not verified"
+    console.print(f"kept tensors {fb(ex.saved_bytes)}; predicted peak {fb(ex.predicted_peak_bytes)}"
+                  f", XLA peak {measured}, budget {fb(ex.budget_bytes)}; recompute "
+                  f"{100 * ex.recompute_flops / ex.step_flops:.2f}% of the step's FLOPs")
 
 
 def _train(args) -> int:

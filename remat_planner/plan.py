@@ -96,6 +96,15 @@ class Plan:
         from .apply import apply_plan
         return apply_plan(self, loss_fn)
 
+    def as_flax_names(self, analysis) -> list[dict]:
+        """This plan as `checkpoint_name` tags and `nn.remat` policies to write by hand.
+
+        `analysis` is the `remat_planner.analyze(...)` result of the same step (it names
+        the values the plan keeps). See `remat_planner.explain.flax_names`.
+        """
+        from .explain import flax_names
+        return flax_names(analysis, self)
+
     @property
     def recompute_overhead(self) -> float:
         """Recompute FLOPs as a fraction of the unplanned step's FLOPs."""

@@ -1,0 +1,249 @@
+"""Explain a plan in the user's terms: what each segment keeps (tensor by tensor, by Flax
+module), what it recomputes and what that costs; the modelled memory timeline; and the
+same plan as `checkpoint_name` tags + `nn.remat` policies to apply by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from .memory import _run, make_segment_fn, stage_io, timeline
+from .plan import DOTS, DOTS_NO_BATCH, NOTHING, STORE, Plan, Segment
+from .planner import Analysis
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptTensor:
+    """One tensor a segment keeps from its forward for its backward."""
+
+    what: str          # "input", "named value" or "residual"
+    module: str        # Flax module path of the equation that produced it
+    primitive: str     # primitive that produced it
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentExplanation:
+    start: int
+    stop: int
+    modules: tuple[str, ...]          # stage names (Flax module paths) it covers
+    option: str
+    kept: tuple[KeptTensor, ...]
+    saved_bytes: int                  # sum of `kept`
+    modelled_keep_bytes: int          # what the (calibrated) memory model counts
+    recompute_flops: float            # recomputed in the backward, nested segments included
+    children: tuple["SegmentExplanation", ...] = ()
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["children"] = [c.to_dict() for c in self.children]
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    segments: tuple[SegmentExplanation, ...]
+    saved_bytes: int                  # every kept tensor of every segment, nested included
+    budget_bytes: int
+    predicted_peak_bytes: int
+    measured_peak_bytes: int | None
+    noremat_measured_peak_bytes: int | None
+    recompute_flops: float
+    step_flops: float
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "segments"}
+        d["segments"] = [s.to_dict() for s in self.segments]
+        return d
+
+
+def _free(program) -> set[int]:
+    return set(program.invars) | set(program.consts)
+
+
+def _defining(program) -> dict[int, object]:
+    return {v: e for e in program.eqns for v in e.outvars}
+
+
+def _tensor(program, defining, vid: int, what: str) -> KeptTensor:
+    aval = program.avals[vid]
+    eqn = defining.get(vid)
+    return KeptTensor(what, eqn.module_path if eqn else "", eqn.name if eqn else "argument",
+                      tuple(int(d) for d in aval.shape), str(aval.dtype), program.nbytes(vid))
+
+
+def _inputs(program, plan: Plan, seg: Segment, defining) -> list[KeptTensor]:
+    lo, hi = plan.stages[seg.start].start, plan.stages[seg.stop - 1].stop
+    ins, _ = stage_io(program, lo, hi)
+    free = _free(program)
+    return [_tensor(program, defining, v, "input") for v in ins if v not in free]
+
+
+def _store_residuals(program, plan: Plan, seg: Segment, defining) -> list[KeptTensor]:
+    """The residuals JAX's autodiff keeps for a stage run without checkpoint."""
+    lo, hi = plan.stages[seg.start].start, plan.stages[seg.stop - 1].stop
+    ins, outs = stage_io(program, lo, hi)
+    outs = [v for v in outs if np.issubdtype(program.avals[v].dtype, np.inexact)]
+    f = make_segment_fn(program, lo, hi, ins, outs)
+    avals = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype) for v in ins]
+    closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(jax.vjp(f, *a)[1]))(*avals)
+    producers = {id(o): e for e in closed.jaxpr.eqns for o in e.outvars}
+    free, invars = _free(program), list(closed.jaxpr.invars)
+    kept, seen = [], set()
+    module = plan.stages[seg.start].name
+    for v in closed.jaxpr.outvars:
+        if not hasattr(v, "aval") or id(v) in seen or type(v).__name__ == "Literal":
+            continue
+        seen.add(id(v))
+        if v in invars:
+            vid = ins[invars.index(v)]
+            if vid not in free:
+                kept.append(_tensor(program, defining, vid, "input"))
+            continue
+        eqn = producers.get(id(v))
+        kept.append(KeptTensor("residual", module, eqn.primitive.name if eqn else "unknown",
+                               tuple(int(d) for d in v.aval.shape), str(v.aval.dtype),
+                               int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize))
+    return kept
+
+
+def _explain_segment(an: Analysis, plan: Plan, seg: Segment, defining) -> SegmentExplanation:
+    program, chain = an.program, an.chain
+    modules = tuple(plan.stages[i].name for i in range(seg.start, seg.stop))
+    if seg.children:
+        kept = _inputs(program, plan, seg, defining)
+        children = tuple(_explain_segment(an, plan, c, defining) for c in seg.children)
+        _, cost = _run(chain, seg.children, 0, inside_region=True)
+        modelled = chain.boundary[seg.start]
+    else:
+        children = ()
+        option = chain.stages[seg.start].option(seg.option)
+        cost = option.recompute_flops
+        modelled = option.keep_bytes
+        if seg.option == STORE:
+            kept = _store_residuals(program, plan, seg, defining)
+        else:
+            kept = _inputs(program, plan, seg, defining) + [
+                _tensor(program, defining, v, "named value") for v in seg.saved]
+    return SegmentExplanation(seg.start, seg.stop, modules, seg.option, tuple(kept),
+                              sum(t.nbytes for t in kept), int(modelled), float(cost), children)
+
+
+def explain(an: Analysis, plan: Plan) -> Explanation:
+    """Per-segment account of `plan` on the analysed step."""
+    defining = _defining(an.program)
+    segs = tuple(_explain_segment(an, plan, s, defining) for s in plan.segments)
+
+    def total(ss: Sequence[SegmentExplanation]) -> int:
+        return sum(s.saved_bytes + total(s.children) for s in ss)
+
+    return Explanation(segs, total(segs), plan.budget_bytes, plan.predicted_peak_bytes,
+                       plan.measured_peak_bytes,
+                       an.noremat.peak_bytes if an.noremat else None,
+                       plan.recompute_flops, plan.step_flops)
+
+
+# ---------------------------------------------------------------------------------------
+# As Flax names
+# ---------------------------------------------------------------------------------------
+
+_POLICY = {NOTHING: "jax.checkpoint_policies.nothing_saveable",
+           DOTS_NO_BATCH: "jax.checkpoint_policies.dots_with_no_batch_dims_saveable",
+           DOTS: "jax.checkpoint_policies.dots_saveable"}
+
+
+def flax_names(an: Analysis, plan: Plan) -> list[dict]:
+    """The plan as instructions for hand-written Flax code.
+
+    One entry per top-level segment: the modules it covers; whether to wrap them in
+    `nn.remat` (one `nn.remat` around all of them: they form one checkpoint region); the
+    built-in policy equivalent to its keep option; and, for checkpoints that keep named
+    values, the values to tag with `checkpoint_name` (suggested name, module, primitive,
+    shape) with `save_only_these_names(*names)` as the exact policy. Nested regions list
+    their children the same way.
+    """
+    defining = _defining(an.program)
+
+    def entry(seg: Segment) -> dict:
+        modules = [plan.stages[i].name for i in range(seg.start, seg.stop)]
+        if seg.option == STORE:
+            return {"modules": modules, "remat": False}
+        tags = []
+        for k, v in enumerate(seg.saved):
+            t = _tensor(an.program, defining, v, "named value")
+            tags.append({"name": f"{t.module or 'value'}/{t.primitive}_{k}", "module": t.module,
+                         "primitive": t.primitive, "shape": list(t.shape), "dtype": t.dtype})
+        d = {"modules": modules, "remat": True, "policy": _POLICY[seg.option],
+             "checkpoint_names": tags,
+             "exact_policy": ("jax.checkpoint_policies.save_only_these_names("
+                              + ", ".join(repr(t["name"]) for t in tags) + ")")}
+        if seg.children:
+            d["nested"] = [entry(c) for c in seg.children]
+        return d
+
+    return [entry(s) for s in plan.segments]
+
+
+# ---------------------------------------------------------------------------------------
+# Memory timeline
+# ---------------------------------------------------------------------------------------
+
+def plot_memory(an: Analysis, plan: Plan, path: str) -> None:
+    """Write the modelled live bytes over the step, with and without the plan, as PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = an.fixed.total + an.calibration_bytes
+    store_all = [Segment(i, i + 1, STORE) for i in range(an.chain.n)]
+    lines = {"no remat": timeline(an.chain, store_all), "plan": timeline(an.chain, plan.segments)}
+    measured = {"no remat": an.noremat.peak_bytes if an.noremat else None,
+                "plan": plan.measured_peak_bytes}
+    # The plan's predicted peak may carry the closed loop's XLA correction: draw the plan
+    # line with it so the curve's peak is the predicted peak the plan reports.
+    plan_offset = plan.predicted_peak_bytes - (base + max(p.live_bytes for p in lines["plan"]))
+    offsets = {"no remat": 0, "plan": plan_offset}
+    top = max(base + max(p.live_bytes for p in lines["no remat"]), plan.budget_bytes)
+    gib, unit = (2**30, "GiB") if top > 2 * 2**30 else (2**20, "MiB")
+    fig, ax = plt.subplots(figsize=(13, 6))
+    ax.axhspan(0, an.fixed.total / gib, color="0.85",
+               label=f"fixed: params + grads + optimizer state + batch "
+                     f"({an.fixed.total / gib:.2f} {unit})")
+    for (label, points), color in zip(lines.items(), ("tab:red", "tab:blue")):
+        x = np.linspace(0, 1, len(points))
+        y = np.array([base + offsets[label] + p.live_bytes for p in points]) / gib
+        ax.step(x, y, where="mid", color=color, label=f"{label} (memory model)")
+        k = int(np.argmax(y))
+        ax.plot([x[k]], [y[k]], "v", color=color, markersize=9)
+        if measured[label] is not None:
+            ax.plot([x[k]], [measured[label] / gib], "o", color=color, markerfacecolor="none",
+                    markersize=11, label=f"{label}: XLA peak {measured[label] / gib:.2f} {unit}")
+        if label == "plan":
+            p = points[k]
+            ax.annotate(f"peak {y[k]:.2f} {unit}: {p.phase} of {plan.stages[p.start].name}\n"
+                        f"kept from earlier stages {p.kept_bytes / gib:.2f} {unit}, "
+                        f"this step {(p.live_bytes - p.kept_bytes) / gib:.2f} {unit}",
+                        (x[k], y[k]), xytext=(0.35, 0.93), textcoords="axes fraction",
+                        arrowprops={"arrowstyle": "->"}, fontsize=9)
+    ax.axhline(plan.budget_bytes / gib, color="black", linestyle="--",
+               label=f"budget {plan.budget_bytes / gib:.2f} {unit}")
+    points = lines["plan"]
+    ticks = np.linspace(0, 1, len(points))
+    every = max(1, len(points) // 12)
+    ax.set_xticks(ticks[::every])
+    short = {"forward": "fwd", "backward": "bwd", "recompute": "rec"}
+    ax.set_xticklabels([f"{short[p.phase]} {plan.stages[p.start].name}"[:30]
+                        for p in points[::every]], rotation=35, ha="right", fontsize=7)
+    ax.set_xlabel("position in the step's schedule (forward, then backward; plan's stages)")
+    ax.set_ylabel(f"live bytes ({unit})")
+    ax.set_title("Modelled memory over the training step")
+    ax.legend(fontsize=8, loc="upper right", bbox_to_anchor=(1.0, 0.85))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
