@@ -22,17 +22,27 @@ EXIT_CODES = """exit codes:
   1  unexpected internal error (please report it)"""
 
 
+def _parser(prog: str, description: str, example: str) -> argparse.ArgumentParser:
+    """A parser with the arguments every command shares: CONFIG, --budget, overrides."""
+    p = argparse.ArgumentParser(prog=prog, description=description, epilog=EXIT_CODES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help=f"YAML config, e.g. {example}")
+    p.add_argument("--budget", required=True,
+                   help="memory for the whole step: params + grads + optimizer state + batch + "
+                        "activations, e.g. 12GB (10^9) or 11GiB (2^30) or bytes")
+    p.add_argument("--batch-size", type=int, help="override the config's batch_size")
+    p.add_argument("--seq-len", type=int, help="override the config's seq_len")
+    return p
+
+
 def _plan_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="remat-plan",
-        description="Plan activation rematerialization for a JAX training step so it fits a "
-                    "memory budget, verify the fit with XLA, and compare with JAX's built-in "
-                    "checkpoint policies. Subcommands: `remat-plan explain CONFIG ...` shows "
-                    "what the plan keeps and recomputes and draws memory.png; "
-                    "`remat-plan train CONFIG ...` runs training steps with the plan.",
-        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", help="YAML config, e.g. configs/gpt2-small.yaml")
-    _common(p)
+    p = _parser("remat-plan",
+                "Plan activation rematerialization for a JAX training step so it fits a "
+                "memory budget, verify the fit with XLA, and compare with JAX's built-in "
+                "checkpoint policies. Subcommands: `remat-plan explain CONFIG ...` shows "
+                "what the plan keeps and recomputes and draws memory.png; "
+                "`remat-plan train CONFIG ...` runs training steps with the plan.",
+                "configs/gpt2-small.yaml")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--out", metavar="PLAN.json", help="write the plan to this file")
     p.add_argument("--no-verify", action="store_true",
@@ -43,40 +53,25 @@ def _plan_parser() -> argparse.ArgumentParser:
 
 
 def _train_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="remat-plan train",
-        description="Plan for the budget, then run real optimizer steps on synthetic data "
-                    "on this machine with the plan applied.",
-        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", help="YAML config, e.g. configs/gpt2-tiny.yaml")
-    _common(p)
+    p = _parser("remat-plan train",
+                "Plan for the budget, then run real optimizer steps on synthetic data on "
+                "this machine with the plan applied.", "configs/gpt2-tiny.yaml")
     p.add_argument("--steps", type=int, default=50, help="training steps (default 50)")
     p.add_argument("--json", action="store_true", help="print the loss curve as JSON")
     return p
 
 
 def _explain_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="remat-plan explain",
-        description="Plan for the budget and explain it: per segment (by Flax module) the "
-                    "tensors it keeps, what it recomputes and what that costs, the nesting "
-                    "as a tree; with --out, explain.json and memory.png (modelled live bytes "
-                    "over the step with and without the plan, XLA peaks as points).",
-        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", help="YAML config, e.g. configs/gpt2-small.yaml")
-    _common(p)
+    p = _parser("remat-plan explain",
+                "Plan for the budget and explain it: per segment (by Flax module) the "
+                "tensors it keeps, what it recomputes and what that costs, the nesting as a "
+                "tree; with --out, explain.json and memory.png (modelled live bytes over the "
+                "step with and without the plan, XLA peaks as points).",
+                "configs/gpt2-small.yaml")
     p.add_argument("--out", metavar="DIR", help="write explain.json and memory.png here")
     p.add_argument("--json", action="store_true", help="print the explanation as JSON")
     p.add_argument("--no-verify", action="store_true", help="skip XLA (model only)")
     return p
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--budget", required=True,
-                   help="memory for the whole step: params + grads + optimizer state + batch + "
-                        "activations, e.g. 12GB (10^9) or 11GiB (2^30) or bytes")
-    p.add_argument("--batch-size", type=int, help="override the config's batch_size")
-    p.add_argument("--seq-len", type=int, help="override the config's seq_len")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
