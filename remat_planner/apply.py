@@ -22,7 +22,7 @@ from .trace import Literal, Program, eval_range, trace
 
 def input_signature(params, batch: Sequence) -> list[str]:
     """Shapes and dtypes of the batch leaves plus the parameter count, for messages."""
-    sig = [f"{np.dtype(l.dtype).name}{list(np.shape(l))}" for l in jax.tree.leaves(batch)]
+    sig = [f"{l.dtype}{list(np.shape(l))}" for l in jax.tree.leaves(batch)]
     n_params = sum(int(np.prod(np.shape(l), dtype=np.int64)) for l in jax.tree.leaves(params))
     return [f"params: {n_params} values"] + [f"batch[{i}]: {s}" for i, s in enumerate(sig)]
 

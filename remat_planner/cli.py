@@ -69,6 +69,7 @@ def _explain_parser() -> argparse.ArgumentParser:
                 "step with and without the plan, XLA peaks as points).",
                 "configs/gpt2-small.yaml")
     p.add_argument("--out", metavar="DIR", help="write explain.json and memory.png here")
+    p.set_defaults(out_is_dir=True)
     p.add_argument("--json", action="store_true", help="print the explanation as JSON")
     p.add_argument("--no-verify", action="store_true", help="skip XLA (model only)")
     return p
@@ -110,8 +111,29 @@ def _join_negative_budget(argv: list[str]) -> list[str]:
     return out
 
 
+def _check_writable(path: str | None, *, directory: bool = False) -> None:
+    """Fail before minutes of planning, not after, when an output path cannot be written.
+
+    A file's directory must exist; a directory (explain --out) is created, so its nearest
+    existing ancestor must be writable."""
+    import os
+
+    from .errors import ConfigError
+    if not path:
+        return
+    target = os.path.abspath(path)
+    parent = target if directory else os.path.dirname(target)
+    if directory:
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ConfigError(f"cannot write --out {path!r}: {parent!r} is not a writable directory; "
+                          "choose another path")
+
+
 def _load(args):
     from .budget import parse_budget
+    _check_writable(getattr(args, "out", None), directory=getattr(args, "out_is_dir", False))
     from .config import build_workload, load_config, make_optimizer
     budget = parse_budget(args.budget)
     cfg = load_config(args.config, batch_size=args.batch_size, seq_len=args.seq_len)
@@ -214,8 +236,7 @@ def _report(cfg, wl, an, plan, baselines, seconds) -> dict:
 
 
 def _segment_row(plan, seg, depth: int = 0) -> dict:
-    from rich.markup import escape
-    names = [escape(plan.stages[i].name) for i in range(seg.start, seg.stop)]
+    names = [plan.stages[i].name for i in range(seg.start, seg.stop)]
     row = {"stages": [seg.start, seg.stop], "modules": names[0] if len(names) == 1
            else f"{names[0]} .. {names[-1]}", "keep": seg.option, "saved_values": len(seg.saved)}
     if seg.children:
@@ -276,8 +297,9 @@ def _print_report(report: dict, plan, an) -> None:
 
 
 def _add_segments(tree, rows) -> None:
+    from rich.markup import escape
     for r in rows:
-        label = f"stages {r['stages'][0]}-{r['stages'][1] - 1} {r['modules']}: {r['keep']}"
+        label = f"stages {r['stages'][0]}-{r['stages'][1] - 1} {escape(r['modules'])}: {r['keep']}"
         if r["saved_values"]:
             label += f" ({r['saved_values']} named values kept)"
         node = tree.add(label)

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from .memory import _run, make_segment_fn, stage_io, timeline
+from .trace import nbytes
 from .plan import DOTS, DOTS_NO_BATCH, NOTHING, STORE, Plan, Segment
 from .planner import Analysis
 
@@ -109,7 +110,7 @@ def _store_residuals(program, plan: Plan, seg: Segment, defining) -> list[KeptTe
         eqn = producers.get(id(v))
         kept.append(KeptTensor("residual", module, eqn.primitive.name if eqn else "unknown",
                                tuple(int(d) for d in v.aval.shape), str(v.aval.dtype),
-                               int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize))
+                               nbytes(v.aval)))
     return kept
 
 

@@ -279,8 +279,6 @@ def _stage_name(program: Program, lo: int, hi: int) -> str:
             i += 1
         prefix = prefix[:i]
     head = "/".join(prefix)
-    tails = sorted({s[len(head):].strip("/") for s in order} - {""}, key=order.index
-                   if False else None)
     tails = [s[len(head):].strip("/") for s in order if s[len(head):].strip("/")]
     if not tails:
         return head

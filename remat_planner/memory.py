@@ -21,7 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .graph import CostGraph, definitions, jaxpr_flops, last_uses
 from .plan import DOTS, DOTS_NO_BATCH, NOTHING, STORE, Segment
-from .trace import Literal, Program, eval_eqn, eval_range
+from .trace import Literal, Program, eval_eqn, eval_range, nbytes
 
 CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
@@ -38,8 +38,7 @@ def measure_compiler_options() -> dict:
 
 
 def tree_bytes(tree) -> int:
-    return int(sum(np.prod(l.shape, dtype=np.int64) * np.dtype(l.dtype).itemsize
-                   for l in jax.tree.leaves(tree)))
+    return int(sum(nbytes(l) for l in jax.tree.leaves(tree)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -64,7 +63,7 @@ class FixedMemory:
 def fixed_memory(params, batch, optimizer=None) -> FixedMemory:
     """Fixed bytes of the step: params, grads (floating leaves), optimizer state, batch."""
     leaves = jax.tree.leaves(params)
-    grads = sum(int(np.prod(l.shape)) * np.dtype(l.dtype).itemsize for l in leaves
+    grads = sum(nbytes(l) for l in leaves
                 if np.issubdtype(l.dtype, np.inexact))
     opt_bytes = 0
     update_temp = 0
@@ -266,7 +265,7 @@ def _profile_one(program, start, stop, ins, outs, free, measure_xla):
             seen.add(id(v))
             if v in invars and invars.index(v) not in act_inputs:
                 continue  # params, batch and constants are live anyway
-            total += int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize
+            total += nbytes(v.aval)
         return total
 
     def step_flops(f):

@@ -65,8 +65,7 @@ class Program:
     in_tree: Any
 
     def nbytes(self, vid: int) -> int:
-        aval = self.avals[vid]
-        return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+        return nbytes(self.avals[vid])
 
     def fingerprint(self) -> str:
         """Hash of the computation's structure: shapes, dtypes, primitives, wiring."""
@@ -79,6 +78,14 @@ class Program:
             outs = ",".join(f"{o}:{self.avals[o].str_short()}" for o in e.outvars)
             h.update(f"{e.name}({ins})->{outs};".encode())
         return h.hexdigest()[:16]
+
+
+def nbytes(x) -> int:
+    """Bytes of an array, aval or ShapeDtypeStruct. Extended dtypes (typed PRNG keys)
+    are not numpy dtypes but carry their own itemsize."""
+    dtype = x.dtype
+    itemsize = dtype.itemsize if hasattr(dtype, "itemsize") else np.dtype(dtype).itemsize
+    return int(np.prod(np.shape(x) if not hasattr(x, "shape") else x.shape, dtype=np.int64)) * int(itemsize)
 
 
 def _abstractify(tree):
