@@ -8,6 +8,7 @@ equation, so gradients are exactly those of the original loss.
 
 from __future__ import annotations
 
+import re
 from typing import Callable, Sequence
 
 import jax
@@ -17,7 +18,7 @@ from .errors import PlanMismatchError
 from .graph import definitions, last_uses
 from .memory import make_segment_fn, stage_io, value_name
 from .plan import Plan, Segment
-from .trace import Literal, Program, eval_range, trace
+from .trace import Program, eval_range, trace
 
 
 def input_signature(params, batch: Sequence) -> list[str]:
@@ -39,11 +40,9 @@ def apply_plan(plan: Plan, loss_fn: Callable) -> Callable:
             check_matches(plan, program, params, batch)
             programs[key] = (program, last_uses(program), definitions(program))
         program, last, defs = programs[key]
-        env = dict(zip(program.invars, leaves))
-        env.update(program.consts)
+        env = program.bind(leaves)
         run_segments(program, plan, plan.segments, env, last, defs)
-        out = program.outvars[0]
-        return out.val if isinstance(out, Literal) else env[out]
+        return program.output(env)
 
     planned_loss.__name__ = f"planned_{getattr(loss_fn, '__name__', 'loss')}"
     planned_loss.__doc__ = f"{getattr(loss_fn, '__name__', 'loss_fn')} with remat plan applied."
@@ -80,3 +79,47 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
         policy = jax.checkpoint_policies.save_only_these_names(*map(value_name, seg.saved))
         results = jax.checkpoint(body, policy=policy)(*[env[v] for v in ins])
         env.update(zip(outs, results))
+
+
+# ---------------------------------------------------------------------------------------
+# Built-in JAX policies per block, for comparison
+# ---------------------------------------------------------------------------------------
+
+_REPEATED = re.compile(r".+_\d+$")
+
+
+def block_ranges(program: Program) -> list[tuple[int, int]]:
+    """Equation ranges of repeated blocks: runs sharing a depth-2 module path that ends in
+    `_<number>` (h_0, Block_3, layers_11), as `nn.remat` per block would wrap them."""
+    ranges, current, start = [], None, 0
+    for i, e in enumerate(program.eqns + (None,)):
+        scope = None
+        if e is not None:
+            parts = [p for p in e.module_path.split("/") if p]
+            scope = "/".join(parts[:2]) if len(parts) >= 2 and _REPEATED.match(parts[1]) else None
+        if scope != current:
+            if current is not None:
+                ranges.append((start, i))
+            current, start = scope, i
+    return ranges
+
+
+def builtin_policy_loss(loss_fn: Callable, params, batch: Sequence, policy) -> Callable:
+    """`loss_fn` with each repeated block in its own jax.checkpoint(policy=...)."""
+    program = trace(loss_fn, params, *batch)
+    blocks = block_ranges(program)
+    last, defs = last_uses(program), definitions(program)
+    end = len(program.eqns)
+
+    def loss(p, *b):
+        env = program.bind(jax.tree.leaves((p, *b)))
+        pos = 0
+        for lo, hi in blocks + [(end, end)]:
+            eval_range(program, pos, lo, env)
+            if hi > lo:
+                ins, outs = stage_io(program, lo, hi, last, defs)
+                fn = jax.checkpoint(make_segment_fn(program, lo, hi, ins, outs), policy=policy)
+                env.update(zip(outs, fn(*[env[v] for v in ins])))
+            pos = hi
+        return program.output(env)
+    return loss

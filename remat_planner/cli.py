@@ -150,10 +150,21 @@ def _progress(console, enabled: bool):
     return status, (lambda msg: status.update(f"[{time.perf_counter() - t0:5.1f}s] {msg}"))
 
 
+def _analyze_and_plan(wl, optimizer, budget: int, verify: bool, say):
+    """The pipeline on a workload: one analysis (calibrated when verifying), one plan."""
+    from . import planner as pl
+    an = pl.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, optimizer,
+                    calibrate=verify, progress=say)
+    plan = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer,
+                   verify=verify, analysis=an, progress=say)
+    return an, plan
+
+
 def _plan(args) -> int:
     from rich.console import Console
 
     from . import planner as pl
+    from .apply import builtin_policy_loss
     from .verify import measure
 
     err = Console(stderr=True)
@@ -167,15 +178,12 @@ def _plan(args) -> int:
     futures = {}
     if pool is not None:
         for name, policy in pl.BUILTIN_POLICIES.items():
-            loss = pl.builtin_policy_loss(wl.loss_fn, wl.abstract_params, wl.abstract_batch,
-                                          policy)
+            loss = builtin_policy_loss(wl.loss_fn, wl.abstract_params, wl.abstract_batch,
+                                       policy)
             futures[name] = pool.submit(measure, loss, wl.abstract_params, wl.abstract_batch,
                                         optimizer)
     try:
-        an = pl.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, optimizer,
-                        calibrate=not args.no_verify, progress=say)
-        plan = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer,
-                       verify=not args.no_verify, analysis=an, progress=say)
+        an, plan = _analyze_and_plan(wl, optimizer, budget, not args.no_verify, say)
         baselines = {}
         if compare:
             baselines["no_remat"] = an.noremat
@@ -312,17 +320,13 @@ def _explain(args) -> int:
 
     from rich.console import Console
 
-    from . import planner as pl
     from .explain import explain, flax_names, plot_memory
 
     cfg, wl, optimizer, budget = _load(args)
     err = Console(stderr=True)
     status, say = _progress(err, err.is_terminal and not args.json)
     try:
-        an = pl.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, optimizer,
-                        calibrate=not args.no_verify, progress=say)
-        plan = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer,
-                       verify=not args.no_verify, analysis=an, progress=say)
+        an, plan = _analyze_and_plan(wl, optimizer, budget, not args.no_verify, say)
         say("explaining")
         ex = explain(an, plan)
         report = {**ex.to_dict(), "flax_names": flax_names(an, plan)}

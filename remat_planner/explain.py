@@ -64,10 +64,6 @@ class Explanation:
         return d
 
 
-def _free(program) -> set[int]:
-    return set(program.invars) | set(program.consts)
-
-
 def _defining(program) -> dict[int, object]:
     return {v: e for e in program.eqns for v in e.outvars}
 
@@ -82,7 +78,7 @@ def _tensor(program, defining, vid: int, what: str) -> KeptTensor:
 def _inputs(program, plan: Plan, seg: Segment, defining) -> list[KeptTensor]:
     lo, hi = plan.stages[seg.start].start, plan.stages[seg.stop - 1].stop
     ins, _ = stage_io(program, lo, hi)
-    free = _free(program)
+    free = program.free
     return [_tensor(program, defining, v, "input") for v in ins if v not in free]
 
 
@@ -95,7 +91,7 @@ def _store_residuals(program, plan: Plan, seg: Segment, defining) -> list[KeptTe
     avals = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype) for v in ins]
     closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(jax.vjp(f, *a)[1]))(*avals)
     producers = {id(o): e for e in closed.jaxpr.eqns for o in e.outvars}
-    free, invars = _free(program), list(closed.jaxpr.invars)
+    free, invars = program.free, list(closed.jaxpr.invars)
     kept, seen = [], set()
     module = plan.stages[seg.start].name
     for v in closed.jaxpr.outvars:

@@ -90,7 +90,7 @@ def _subjaxpr_flops(name: str, params: dict):
 def build_graph(program: Program) -> nx.DiGraph:
     """The program as a bipartite DiGraph of equations and values with costs."""
     g = nx.DiGraph()
-    free = set(program.invars) | set(program.consts)
+    free = program.free
     for vid, aval in program.avals.items():
         g.add_node(("val", vid), bytes=program.nbytes(vid), shape=tuple(aval.shape),
                    dtype=str(aval.dtype), free=vid in free,

@@ -114,7 +114,6 @@ class StageProfile:
     name: str
     flops: float
     options: tuple[KeepOption, ...]  # options[0] is `store`
-    full_bytes: int                  # residuals alive during the stage's backward
     fwd_temp_bytes: int   # XLA temp bounding the forward (= bwd_temp_bytes, see _xla_workspace)
     bwd_temp_bytes: int   # XLA temp of forward+backward compiled together
 
@@ -219,7 +218,7 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
                    progress: Callable[[str], None] | None = None) -> ChainModel:
     """Measure every stage's keep options, residual bytes and XLA workspace."""
     last, defs = last_uses(program), definitions(program)
-    free = set(program.invars) | set(program.consts)
+    free = program.free
     cache: dict[str, tuple] = {}
     profiles = []
     for k, st in enumerate(cost.stages):
@@ -229,12 +228,12 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
             if progress:
                 progress(f"profiling stage {k + 1}/{len(cost.stages)} {st.name}")
             cache[key] = _profile_one(program, st.start, st.stop, ins, outs, free, measure_xla)
-        opts_local, full, wf, wb, local_names = cache[key]
+        opts_local, wf, wb, local_names = cache[key]
         # Saved value ids are local to the first stage with this structure: map them over.
         mapping = _value_mapping(program, local_names, st.start, st.stop)
         options = tuple(dataclasses.replace(o, saved=tuple(mapping[v] for v in o.saved))
                         for o in opts_local)
-        profiles.append(StageProfile(st.name, st.flops, options, full, wf, wb))
+        profiles.append(StageProfile(st.name, st.flops, options, wf, wb))
     boundary = [0] + [cost.boundary_bytes(k) for k in range(1, len(cost.stages))] + [0]
     return ChainModel(tuple(profiles), tuple(int(b) for b in boundary))
 
@@ -290,11 +289,10 @@ def _profile_one(program, start, stop, ins, outs, free, measure_xla):
             f = base
         rc = 0.0 if name == STORE else max(0.0, step_flops(f) - base_flops)
         options.append(KeepOption(name, saved, residual_bytes(f), rc))
-    full = options[0].keep_bytes
     wf = wb = 0
     if measure_xla and fn_outs:
         wf, wb = _xla_workspace(base, in_avals, ct_avals)
-    return tuple(options), full, wf, wb, (start, stop)
+    return tuple(options), wf, wb, (start, stop)
 
 
 def _xla_workspace(f, in_avals, ct_avals) -> tuple[int, int]:

@@ -9,12 +9,11 @@ rounds), so a plan is never returned as fitting when XLA says it does not.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Callable
 
 import jax
 
-from .apply import input_signature
+from .apply import builtin_policy_loss, input_signature
 from .budget import parse_budget
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph, build_cost_graph
@@ -67,8 +66,8 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
             calibrate: bool = True, progress: Progress | None = None) -> Analysis:
     """Trace, build the cost graph and profile every stage (nothing allocated).
 
-    With `calibrate`, the step without remat is compiled once and the model is offset by
-    the difference between XLA's peak and the modelled one.
+    With `calibrate`, two whole steps are compiled (without remat, and with every stage
+    but the last checkpointed) and the memory model is fitted to XLA's peaks (_calibrate).
     """
     batch = as_batch(batch)
     say = progress or (lambda msg: None)
@@ -99,8 +98,7 @@ def _scaled(chain: ChainModel, alpha: float, beta: float) -> ChainModel:
         opts = (dataclasses.replace(s.options[0], keep_bytes=int(s.options[0].keep_bytes * alpha)),
                 *s.options[1:])
         stages.append(dataclasses.replace(
-            s, options=opts, full_bytes=int(s.full_bytes * alpha),
-            fwd_temp_bytes=int(s.fwd_temp_bytes * beta), bwd_temp_bytes=int(s.bwd_temp_bytes * beta)))
+            s, options=opts, fwd_temp_bytes=int(s.fwd_temp_bytes * beta), bwd_temp_bytes=int(s.bwd_temp_bytes * beta)))
     return dataclasses.replace(chain, stages=tuple(stages))
 
 
@@ -200,6 +198,7 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     # with slack below a target that failed: bisect upwards for a cheaper plan.
     target, solution, correction = budget_bytes, first, 0
     best: Plan | None = None
+    best_target = budget_bytes  # the target that produced `best`
     failed_target: int | None = None
     tried = [solution.segments]
     lowest_peak = None
@@ -213,7 +212,7 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
         correction = m.peak_bytes - (p.predicted_peak_bytes - correction)
         if m.peak_bytes <= budget_bytes:
             if best is None or p.recompute_flops < best.recompute_flops:
-                best = p
+                best, best_target = p, target
             slack = budget_bytes - m.peak_bytes
             if slack < 0.02 * budget_bytes:
                 break
@@ -232,8 +231,6 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
             next_target = modelled - excess - solver.quantum
             if best is not None:
                 next_target = max(next_target, (best_target + target) // 2)
-        if best is p:
-            best_target = target
         next_solution = solve_for(next_target)
         if next_solution is None and best is None:
             # Below what the model allows: the most frugal plan is the last thing to try.
@@ -283,53 +280,6 @@ BUILTIN_POLICIES = {
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
-_REPEATED = re.compile(r".+_\d+$")
-
-
-def block_ranges(program: Program) -> list[tuple[int, int]]:
-    """Equation ranges of repeated blocks: runs sharing a depth-2 module path that ends in
-    `_<number>` (h_0, Block_3, layers_11), as `nn.remat` per block would wrap them."""
-    ranges, current, start = [], None, 0
-    for i, e in enumerate(program.eqns + (None,)):
-        scope = None
-        if e is not None:
-            parts = [p for p in e.module_path.split("/") if p]
-            scope = "/".join(parts[:2]) if len(parts) >= 2 and _REPEATED.match(parts[1]) else None
-        if scope != current:
-            if current is not None:
-                ranges.append((start, i))
-            current, start = scope, i
-    return ranges
-
-
-def builtin_policy_loss(loss_fn: Callable, params, batch, policy) -> Callable:
-    """`loss_fn` with each repeated block in its own jax.checkpoint(policy=...)."""
-    from .apply import check_matches  # noqa: F401  (same replay machinery)
-    from .graph import definitions, last_uses
-    from .memory import make_segment_fn, stage_io
-    from .trace import eval_range
-
-    batch = as_batch(batch)
-    program = trace(loss_fn, params, *batch)
-    blocks = block_ranges(program)
-    last, defs = last_uses(program), definitions(program)
-
-    def loss(p, *b):
-        leaves = jax.tree.leaves((p, *b))
-        env = dict(zip(program.invars, leaves))
-        env.update(program.consts)
-        pos = 0
-        for lo, hi in blocks + [(len(program.eqns), len(program.eqns))]:
-            eval_range(program, pos, lo, env)
-            if hi > lo:
-                ins, outs = stage_io(program, lo, hi, last, defs)
-                fn = jax.checkpoint(make_segment_fn(program, lo, hi, ins, outs), policy=policy)
-                env.update(zip(outs, fn(*[env[v] for v in ins])))
-            pos = hi
-        return env[program.outvars[0]]
-    return loss
-
-
 def measure_builtin_policies(loss_fn: Callable, params, batch, optimizer=None,
                              progress: Progress | None = None) -> dict[str, Measurement]:
     """XLA peak and FLOPs of the step without remat and with each built-in policy per block."""
@@ -339,6 +289,6 @@ def measure_builtin_policies(loss_fn: Callable, params, batch, optimizer=None,
     out["no_remat"] = measure(loss_fn, params, batch, optimizer)
     for name, policy in BUILTIN_POLICIES.items():
         say(f"measuring: {name} per block")
-        out[name] = measure(builtin_policy_loss(loss_fn, params, batch, policy), params, batch,
-                            optimizer)
+        out[name] = measure(builtin_policy_loss(loss_fn, params, as_batch(batch), policy),
+                            params, batch, optimizer)
     return out

@@ -11,9 +11,8 @@ the DP is tested against. Both optimise exactly `memory.simulate`.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import numpy as np
 

@@ -8,6 +8,7 @@ flow stay single equations. Each equation keeps its Flax module path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Any, Callable
 
@@ -63,6 +64,22 @@ class Program:
     outvars: tuple
     avals: dict
     in_tree: Any
+
+    @functools.cached_property
+    def free(self) -> frozenset[int]:
+        """Arguments and constants: live for the whole step whatever the plan."""
+        return frozenset(self.invars) | frozenset(self.consts)
+
+    def bind(self, leaves) -> dict:
+        """A fresh environment (id -> value) holding the arguments and constants."""
+        env = dict(zip(self.invars, leaves))
+        env.update(self.consts)
+        return env
+
+    def output(self, env: dict):
+        """The loss value once `env` has been evaluated."""
+        out = self.outvars[0]
+        return out.val if isinstance(out, Literal) else env[out]
 
     def nbytes(self, vid: int) -> int:
         return nbytes(self.avals[vid])

@@ -25,7 +25,7 @@ def chains(draw, max_stages: int = 4) -> ChainModel:
         if draw(st.booleans()):
             options.append(KeepOption(DOTS, (100 + i,), draw(st.integers(0, full)),
                                       float(draw(st.integers(0, flops)))))
-        stages.append(StageProfile(f"s{i}", float(flops), tuple(options), full,
+        stages.append(StageProfile(f"s{i}", float(flops), tuple(options),
                                    draw(st.integers(0, 4)), draw(st.integers(0, 4))))
     boundary = [0] + [draw(st.integers(1, 5)) for _ in range(n - 1)] + [0]
     return ChainModel(tuple(stages), tuple(boundary))
@@ -68,7 +68,7 @@ def test_frontier_is_monotone_and_min_feasible_is_tight(chain):
 
 def test_rounding_up_to_units_stays_feasible_in_bytes():
     stages = tuple(StageProfile(f"s{i}", 10.0, (KeepOption(STORE, (), 1003, 0.0),
-                                                 KeepOption(NOTHING, (), 7, 10.0)), 1003, 5, 11)
+                                                 KeepOption(NOTHING, (), 7, 10.0)), 5, 11)
                    for i in range(5))
     chain = ChainModel(stages, (0, 7, 7, 7, 7, 0))
     top = simulate(chain, store_all(chain))[0]
@@ -81,7 +81,7 @@ def test_rounding_up_to_units_stays_feasible_in_bytes():
 
 def test_plan_space_nests_regions():
     chain = ChainModel(tuple(StageProfile(f"s{i}", 1.0, (KeepOption(STORE, (), 1, 0.0),
-                                                          KeepOption(NOTHING, (), 0, 1.0)), 1, 0, 0)
+                                                          KeepOption(NOTHING, (), 0, 1.0)), 0, 0)
                              for i in range(4)), (0, 1, 1, 1, 0))
     plans = list(enumerate_plans(chain))
     depths = {max(s.depth() for s in p) for p in plans}
@@ -98,7 +98,7 @@ def test_nested_regions_trade_recompute_for_memory():
     """On a uniform chain, two-level nesting reaches budgets one level cannot."""
     n = 8
     stages = tuple(StageProfile(f"s{i}", 1.0, (KeepOption(STORE, (), 10, 0.0),
-                                                KeepOption(NOTHING, (), 1, 1.0)), 10, 0, 0)
+                                                KeepOption(NOTHING, (), 1, 1.0)), 0, 0)
                    for i in range(n))
     chain = ChainModel(stages, (0,) + (1,) * (n - 1) + (0,))
     top = simulate(chain, store_all(chain))[0]
@@ -111,6 +111,6 @@ def test_nested_regions_trade_recompute_for_memory():
 
 @pytest.mark.parametrize("budget", [-1, 0])
 def test_no_plan_below_min(budget):
-    chain = ChainModel((StageProfile("s", 1.0, (KeepOption(STORE, (), 4, 0.0),), 4, 1, 1),),
+    chain = ChainModel((StageProfile("s", 1.0, (KeepOption(STORE, (), 4, 0.0),), 1, 1),),
                        (0, 0))
     assert ChainSolver(chain, 100).solve(budget) is None
