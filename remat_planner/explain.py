@@ -86,7 +86,7 @@ def _store_residuals(program, plan: Plan, seg: Segment, defining) -> list[KeptTe
     """The residuals JAX's autodiff keeps for a stage run without checkpoint."""
     lo, hi = plan.stages[seg.start].start, plan.stages[seg.stop - 1].stop
     ins, outs = stage_io(program, lo, hi)
-    outs = [v for v in outs if np.issubdtype(program.avals[v].dtype, np.inexact)]
+    outs = [v for v in outs if jax.dtypes.issubdtype(program.avals[v].dtype, np.inexact)]
     f = make_segment_fn(program, lo, hi, ins, outs)
     avals = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype) for v in ins]
     closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(jax.vjp(f, *a)[1]))(*avals)

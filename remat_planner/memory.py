@@ -64,7 +64,7 @@ def fixed_memory(params, batch, optimizer=None) -> FixedMemory:
     """Fixed bytes of the step: params, grads (floating leaves), optimizer state, batch."""
     leaves = jax.tree.leaves(params)
     grads = sum(nbytes(l) for l in leaves
-                if np.issubdtype(l.dtype, np.inexact))
+                if jax.dtypes.issubdtype(l.dtype, np.inexact))
     opt_bytes = 0
     update_temp = 0
     if optimizer is not None:
@@ -182,7 +182,7 @@ def value_name(vid: int) -> str:
 
 
 def _is_float(aval) -> bool:
-    return np.issubdtype(aval.dtype, np.inexact)
+    return jax.dtypes.issubdtype(aval.dtype, np.inexact)
 
 
 def _dot_outputs(program: Program, start: int, stop: int, no_batch: bool) -> tuple[int, ...]:

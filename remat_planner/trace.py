@@ -126,10 +126,10 @@ def trace(loss_fn: Callable, params, *batch) -> Program:
         raise UnsupportedModelError(
             f"loss_fn must return one scalar, got ({shapes}); reduce the loss (e.g. jnp.mean) "
             "before planning")
-    if not np.issubdtype(outs[0].dtype, np.floating):
+    if not jax.dtypes.issubdtype(outs[0].dtype, np.floating):
         raise UnsupportedModelError(f"loss_fn must return a floating scalar, got {outs[0]}")
     n_param_leaves = len(jax.tree.leaves(abstract_args[0]))
-    if not any(np.issubdtype(l.dtype, np.floating) for l in jax.tree.leaves(abstract_args[0])):
+    if not any(jax.dtypes.issubdtype(l.dtype, np.floating) for l in jax.tree.leaves(abstract_args[0])):
         raise UnsupportedModelError(
             "params have no floating-point leaves, so there is nothing to differentiate; "
             "pass the trainable parameters as the first argument of loss_fn")
