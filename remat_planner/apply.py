@@ -28,15 +28,21 @@ def input_signature(params, batch: Sequence) -> list[str]:
     return [f"params: {n_params} values"] + [f"batch[{i}]: {s}" for i, s in enumerate(sig)]
 
 
-def apply_plan(plan: Plan, loss_fn: Callable) -> Callable:
-    """`loss_fn(params, *batch)` whose forward is split into the plan's checkpoints."""
+def apply_plan(plan: Plan, loss_fn: Callable, has_aux: bool | None = None) -> Callable:
+    """`loss_fn(params, *batch)` whose forward is split into the plan's checkpoints.
+
+    With `has_aux` (by default: as the plan was made) loss_fn returns `(loss, aux)` and so
+    does the planned function.
+    """
     programs: dict = {}
+    if has_aux is None:
+        has_aux = bool(plan.metadata.get("has_aux", False))
 
     def planned_loss(params, *batch):
         leaves, treedef = jax.tree.flatten((params, *batch))
         key = (treedef, tuple((tuple(l.shape), str(l.dtype)) for l in leaves))
         if key not in programs:
-            program = trace(loss_fn, params, *batch)
+            program = trace(loss_fn, params, *batch, has_aux=has_aux)
             check_matches(plan, program, params, batch)
             programs[key] = (program, last_uses(program), definitions(program))
         program, last, defs = programs[key]
@@ -104,9 +110,10 @@ def block_ranges(program: Program) -> list[tuple[int, int]]:
     return ranges
 
 
-def builtin_policy_loss(loss_fn: Callable, params, batch: Sequence, policy) -> Callable:
+def builtin_policy_loss(loss_fn: Callable, params, batch: Sequence, policy,
+                        has_aux: bool = False) -> Callable:
     """`loss_fn` with each repeated block in its own jax.checkpoint(policy=...)."""
-    program = trace(loss_fn, params, *batch)
+    program = trace(loss_fn, params, *batch, has_aux=has_aux)
     blocks = block_ranges(program)
     last, defs = last_uses(program), definitions(program)
     end = len(program.eqns)

@@ -154,7 +154,7 @@ def _analyze_and_plan(wl, optimizer, budget: int, verify: bool, say):
     """The pipeline on a workload: one analysis (calibrated when verifying), one plan."""
     from . import planner as pl
     an = pl.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, optimizer,
-                    calibrate=verify, progress=say)
+                    calibrate=verify, progress=say, has_aux=wl.has_aux)
     plan = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer,
                    verify=verify, analysis=an, progress=say)
     return an, plan
@@ -179,9 +179,9 @@ def _plan(args) -> int:
     if pool is not None:
         for name, policy in pl.BUILTIN_POLICIES.items():
             loss = builtin_policy_loss(wl.loss_fn, wl.abstract_params, wl.abstract_batch,
-                                       policy)
+                                       policy, wl.has_aux)
             futures[name] = pool.submit(measure, loss, wl.abstract_params, wl.abstract_batch,
-                                        optimizer)
+                                        optimizer, wl.has_aux)
     try:
         an, plan = _analyze_and_plan(wl, optimizer, budget, not args.no_verify, say)
         baselines = {}
@@ -397,20 +397,27 @@ def _train(args) -> int:
     cfg, wl, optimizer, budget = _load(args)
     console = Console(stderr=True)
     with console.status("planning"):
-        plan = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer)
+        plan = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer,
+                       has_aux=wl.has_aux)
     console.print(f"plan: XLA peak {plan.measured_peak_bytes:,} bytes <= budget "
                   f"{plan.budget_bytes:,}; predicted recompute {100 * plan.recompute_overhead:.1f}%")
     key = jax.random.key(cfg.seed)
     params = wl.init_params(key)
     opt_state = optimizer.init(params)
-    step = train_step(wl.loss_fn, optimizer, plan)
+    step = train_step(wl.loss_fn, optimizer, plan, wl.has_aux)
     # A fixed pool of synthetic batches, cycled, so the loss has something to go down on.
     pool = [wl.synthetic_batch(jax.random.fold_in(key, i)) for i in range(4)]
     losses = []
     with Progress(console=console, transient=False) as bar:
         task = bar.add_task("training", total=args.steps)
         for i in range(args.steps):
-            params, opt_state, loss = step(params, opt_state, pool[i % len(pool)])
+            batch = pool[i % len(pool)]
+            if wl.has_aux:
+                params, opt_state, loss, aux = step(params, opt_state, batch)
+                if wl.update_batch is not None:  # e.g. BatchNorm stats carried to the next step
+                    pool = [wl.update_batch(b, aux) for b in pool]
+            else:
+                params, opt_state, loss = step(params, opt_state, batch)
             losses.append(float(loss))
             bar.update(task, advance=1, description=f"training loss {losses[-1]:.4f}")
     result = {"steps": args.steps, "first_loss": losses[0], "last_loss": losses[-1],

@@ -117,7 +117,7 @@ def _explain_segment(an: Analysis, plan: Plan, seg: Segment, defining) -> Segmen
         kept = _inputs(program, plan, seg, defining)
         children = tuple(_explain_segment(an, plan, c, defining) for c in seg.children)
         _, cost = _run(chain, seg.children, 0, inside_region=True)
-        modelled = chain.boundary[seg.start]
+        modelled = chain.region_input_bytes(seg.start, seg.stop)
     else:
         children = ()
         option = chain.stages[seg.start].option(seg.option)

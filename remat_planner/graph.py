@@ -138,13 +138,15 @@ def definitions(program: Program) -> dict[int, int]:
 
 def crossing_bytes(program: Program, graph: nx.DiGraph) -> np.ndarray:
     """crossing[k]: bytes of activations (not params, batch or constants) defined before
-    equation k and used at or after it, for k = 0..len(eqns)."""
+    equation k and used at or after it, for k = 0..len(eqns). Aux outputs (returned by
+    the step, e.g. new batch statistics) are counted with fixed memory, not here."""
     n = len(program.eqns)
     diff = np.zeros(n + 2, dtype=np.int64)
     last = last_uses(program)
+    aux = program.aux_outputs
     for i, e in enumerate(program.eqns):
         for v in e.outvars:
-            if v in last and last[v] > i:
+            if v in last and last[v] > i and v not in aux:
                 diff[i + 1] += graph.nodes[("val", v)]["bytes"]
                 diff[last[v] + 1] -= graph.nodes[("val", v)]["bytes"]
     return np.cumsum(diff)[: n + 1]
@@ -191,20 +193,29 @@ def find_stages(program: Program, graph: nx.DiGraph, *, max_stages: int = 48) ->
     Candidate cuts are module-scope changes (down to three levels of Flax module path) or,
     for a program without module paths, every equation boundary. A candidate is kept when
     what crosses it is no bigger than 1.25 x its largest single value: one residual stream,
-    not a stream plus a side branch. Too many cuts are thinned to the `max_stages` with the
-    least crossing, spread evenly.
+    not a stream plus a side branch. In a network that is not a chain (U-Net skips, any
+    long-range value) tensors also pass over cuts untouched: a candidate is kept too when
+    the same holds once the values that pass its neighbourhood untouched are set aside
+    (`_passing_bytes`); they still count in the boundary bytes of every cut they cross.
+    Too many cuts are thinned to the `max_stages` with the least crossing, spread evenly.
     """
     n = len(program.eqns)
     crossing = crossing_bytes(program, graph)
     largest = _largest_crossing_value(program, graph, n)
     has_paths = any(e.module_path for e in program.eqns)
-    candidates = []
+    boundaries = []
     for k in range(1, n):
         if has_paths:
             a, b = program.eqns[k - 1].module_path, program.eqns[k].module_path
             if all(_scope(a, d) == _scope(b, d) for d in (1, 2, 3)):
                 continue
+        boundaries.append(k)
+    passing, largest_local = _passing_bytes(program, graph, boundaries)
+    candidates = []
+    for k in boundaries:
         if crossing[k] == 0 or crossing[k] <= 1.25 * largest[k]:
+            candidates.append(k)
+        elif k in passing and crossing[k] - passing[k] <= 1.25 * largest_local[k]:
             candidates.append(k)
     candidates = _thin(candidates, crossing, n, max_stages - 1)
     flops = [graph.nodes[("eqn", i)]["flops"] for i in range(n)]
@@ -238,13 +249,58 @@ def _largest_crossing_value(program: Program, graph: nx.DiGraph, n: int) -> np.n
     """largest[k]: bytes of the biggest single activation crossing boundary k."""
     largest = np.zeros(n + 1, dtype=np.int64)
     last = last_uses(program)
+    aux = program.aux_outputs
     for i, e in enumerate(program.eqns):
         for v in e.outvars:
-            if v in last and last[v] > i:
+            if v in last and last[v] > i and v not in aux:
                 b = graph.nodes[("val", v)]["bytes"]
                 seg = largest[i + 1: last[v] + 1]
                 np.maximum(seg, b, out=seg)
     return largest
+
+
+def _passing_bytes(program: Program, graph: nx.DiGraph, cuts: list[int]):
+    """Per candidate cut k: bytes of the values that pass its neighbourhood untouched
+    (defined before the previous candidate, not used until after the next: skip tensors),
+    and the largest single value crossing k that does not.
+
+    Returns two dicts keyed by cut; cuts without passing values are left out.
+    """
+    n = len(program.eqns)
+    uses: dict[int, list[int]] = {}
+    defs = definitions(program)
+    for i, e in enumerate(program.eqns):
+        for v in e.invars:
+            if isinstance(v, int):
+                uses.setdefault(v, []).append(i)
+    skip = program.free | program.aux_outputs
+    cut_arr = np.asarray(cuts, dtype=np.int64)
+    passing: dict[int, int] = {}
+    crossing_vals: dict[int, list[tuple[int, bool]]] = {}
+    for v, where in uses.items():
+        d = defs[v]
+        if v in skip or where[-1] <= d:
+            continue
+        b = graph.nodes[("val", v)]["bytes"]
+        # candidate cuts k with d < k <= last use
+        lo, hi = np.searchsorted(cut_arr, d + 1), np.searchsorted(cut_arr, where[-1], side="right")
+        for ci in range(lo, hi):
+            k = cuts[ci]
+            p = cuts[ci - 1] if ci > 0 else 0
+            q = cuts[ci + 1] if ci + 1 < len(cuts) else n
+            untouched = d < p and _first_at_or_after(where, p) >= q
+            crossing_vals.setdefault(k, []).append((b, untouched))
+            if untouched:
+                passing[k] = passing.get(k, 0) + b
+    largest_local = {k: max((b for b, untouched in crossing_vals[k] if not untouched), default=0)
+                     for k in passing}
+    return passing, largest_local
+
+
+def _first_at_or_after(sorted_uses: list[int], pos: int) -> int:
+    import bisect
+    i = bisect.bisect_left(sorted_uses, pos)
+    return sorted_uses[i] if i < len(sorted_uses) else 1 << 62
 
 
 def _thin(candidates: list[int], crossing: np.ndarray, n: int, keep: int) -> list[int]:

@@ -54,10 +54,12 @@ class FixedMemory:
     opt_state_bytes: int
     batch_bytes: int
     update_temp_bytes: int  # XLA workspace of the optimizer update, after the backward
+    aux_bytes: int = 0  # aux outputs of a has_aux step (new batch stats), live to its end
 
     @property
     def total(self) -> int:
-        return self.params_bytes + self.grads_bytes + self.opt_state_bytes + self.batch_bytes
+        return (self.params_bytes + self.grads_bytes + self.opt_state_bytes + self.batch_bytes
+                + self.aux_bytes)
 
 
 def fixed_memory(params, batch, optimizer=None) -> FixedMemory:
@@ -129,15 +131,30 @@ class ChainModel:
     """Everything the solver needs: per-stage profiles and boundary bytes.
 
     boundary[k] is the activation bytes crossing into stage k (boundary[0] = 0) and
-    boundary[n] out of the last stage (0: the loss is a scalar).
+    boundary[n] out of the last stage (0: the loss is a scalar). overlap[a][b] (a < b) is
+    the bytes of the values crossing both cut a and cut b, hence every cut between:
+    tensors that pass over stages (skip connections). Empty: none (a chain).
+    inputs[a][b] (a < b) is the bytes of the values crossing cut a that stages [a, b) use:
+    what a checkpointed region over them keeps. Empty: all of boundary[a] (a chain).
     """
 
     stages: tuple[StageProfile, ...]
     boundary: tuple[int, ...]
+    overlap: tuple[tuple[int, ...], ...] = ()
+    inputs: tuple[tuple[int, ...], ...] = ()
 
     @property
     def n(self) -> int:
         return len(self.stages)
+
+    def overlap_bytes(self, a: int, b: int) -> int:
+        """Bytes crossing both cut a and cut b (a < b): counted once, not twice."""
+        return self.overlap[a][b] if self.overlap else 0
+
+    def region_input_bytes(self, a: int, b: int) -> int:
+        """Bytes a checkpointed region over stages [a, b) keeps: the activations crossing
+        into it that it uses; a skip passing over it is kept by its consumer instead."""
+        return self.inputs[a][b] if self.inputs else self.boundary[a]
 
 
 def stage_io(program: Program, start: int, stop: int, last=None, defs=None):
@@ -235,7 +252,64 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
                         for o in opts_local)
         profiles.append(StageProfile(st.name, st.flops, options, wf, wb))
     boundary = [0] + [cost.boundary_bytes(k) for k in range(1, len(cost.stages))] + [0]
-    return ChainModel(tuple(profiles), tuple(int(b) for b in boundary))
+    return ChainModel(tuple(profiles), tuple(int(b) for b in boundary),
+                      cut_overlap(program, cost, last, defs),
+                      region_inputs(program, cost, boundary, last, defs))
+
+
+def region_inputs(program: Program, cost: CostGraph, boundary, last=None, defs=None):
+    """inputs[a][b]: bytes of the activations crossing cut a that stages [a, b) use; ()
+    when that is always all of boundary[a] (every value crossing a cut is used by the
+    next stage: a chain)."""
+    last = last_uses(program) if last is None else last
+    defs = definitions(program) if defs is None else defs
+    n = len(cost.stages)
+    starts = [s.start for s in cost.stages]
+    stage_of = np.zeros(len(program.eqns) + 1, dtype=np.int64)
+    for k, st in enumerate(cost.stages):
+        stage_of[st.start:st.stop] = k
+    stage_of[-1] = n
+    first_use: dict[int, list[int]] = {}  # value -> sorted equations using it
+    for i, e in enumerate(program.eqns):
+        for v in e.invars:
+            if isinstance(v, int):
+                first_use.setdefault(v, []).append(i)
+    skip = program.free | program.aux_outputs
+    table = np.zeros((n + 1, n + 1), dtype=np.int64)
+    import bisect
+    for v, uses in first_use.items():
+        if v in skip:
+            continue
+        for a in range(1, n):
+            if not defs[v] < starts[a] <= last[v]:
+                continue
+            j = bisect.bisect_left(uses, starts[a])
+            used_in = int(stage_of[uses[j]]) if j < len(uses) else n  # first stage using it
+            table[a, used_in + 1:] += program.nbytes(v)
+    if all(table[a, b] == boundary[a] for a in range(1, n) for b in range(a + 1, n + 1)):
+        return ()
+    return tuple(tuple(int(x) for x in row) for row in table)
+
+
+def cut_overlap(program: Program, cost: CostGraph, last=None, defs=None):
+    """overlap[a][b]: bytes of the activations crossing both cut a and cut b (cut k is the
+    start of stage k), as counted in the boundaries; () when no value crosses two cuts."""
+    last = last_uses(program) if last is None else last
+    defs = definitions(program) if defs is None else defs
+    n = len(cost.stages)
+    starts = np.asarray([s.start for s in cost.stages[1:]], dtype=np.int64)  # cuts 1..n-1
+    table = np.zeros((n + 1, n + 1), dtype=np.int64)
+    skip = program.free | program.aux_outputs
+    for v, used in last.items():
+        if v in skip or used <= defs[v]:
+            continue
+        lo = int(np.searchsorted(starts, defs[v], side="right")) + 1  # first cut with start > def
+        hi = int(np.searchsorted(starts, used, side="right"))         # last cut with start <= use
+        if hi > lo:
+            table[lo:hi + 1, lo:hi + 1] += program.nbytes(v)
+    if not table.any():
+        return ()
+    return tuple(tuple(int(x) for x in row) for row in table)
 
 
 def _value_mapping(program: Program, ref, start: int, stop: int) -> dict[int, int]:
@@ -311,27 +385,31 @@ def _xla_workspace(f, in_avals, ct_avals) -> tuple[int, int]:
 
 def leaf_fwd_peak(chain: ChainModel, i: int, option: KeepOption) -> int:
     s = chain.stages[i]
-    return chain.boundary[i] + chain.boundary[i + 1] + option.keep_bytes + s.fwd_temp_bytes
+    return (chain.boundary[i] + chain.boundary[i + 1] - chain.overlap_bytes(i, i + 1)
+            + option.keep_bytes + s.fwd_temp_bytes)
 
 
 def leaf_bwd_peak(chain: ChainModel, i: int) -> int:
     # bwd_temp_bytes is XLA's temp for the stage's forward+backward compiled together: it
     # holds the residuals as XLA keeps them (after fusion) and the backward's workspace.
     s = chain.stages[i]
-    return 2 * chain.boundary[i] + chain.boundary[i + 1] + s.bwd_temp_bytes
+    return (2 * chain.boundary[i] + chain.boundary[i + 1] - chain.overlap_bytes(i, i + 1)
+            + s.bwd_temp_bytes)
 
 
 def region_fwd_peak(chain: ChainModel, a: int, b: int) -> int:
     """Forward of a checkpointed region over stages [a, b): its input is kept, each stage
-    runs without keeping residuals."""
+    runs without keeping residuals. Values passing over stages (skips) are counted once
+    per step, not once per cut they cross."""
     return chain.boundary[a] + max(
-        chain.boundary[j] + chain.boundary[j + 1] + chain.stages[j].fwd_temp_bytes
+        chain.boundary[j] + chain.boundary[j + 1] - chain.overlap_bytes(j, j + 1)
+        - (chain.overlap_bytes(a, j) if j > a else 0) + chain.stages[j].fwd_temp_bytes
         for j in range(a, b))
 
 
 def segment_keep(chain: ChainModel, seg: Segment) -> int:
     if seg.children:
-        return chain.boundary[seg.start]
+        return chain.region_input_bytes(seg.start, seg.stop)
     return chain.stages[seg.start].option(seg.option).keep_bytes
 
 
@@ -382,7 +460,8 @@ def _run(chain, segments, live: int, inside_region: bool, events=None) -> tuple[
             cost += _recompute_forward_cost(chain, seg, last=idx == len(segments) - 1)
     for seg, before in zip(reversed(segments), reversed(kept_before)):
         if seg.children:
-            sub_peak, sub_cost = _run(chain, seg.children, before + chain.boundary[seg.start],
+            sub_peak, sub_cost = _run(chain, seg.children,
+                                      before + chain.region_input_bytes(seg.start, seg.stop),
                                       inside_region=True, events=events)
             peak = max(peak, sub_peak)
             cost += sub_cost

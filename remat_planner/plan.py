@@ -91,10 +91,11 @@ class Plan:
 
     # -- use ----------------------------------------------------------------------------
 
-    def apply(self, loss_fn: Callable) -> Callable:
-        """`loss_fn` with the same signature whose gradient follows this plan."""
+    def apply(self, loss_fn: Callable, has_aux: bool | None = None) -> Callable:
+        """`loss_fn` with the same signature whose gradient follows this plan (`has_aux`:
+        loss_fn returns `(loss, aux)`; by default as when the plan was made)."""
         from .apply import apply_plan
-        return apply_plan(self, loss_fn)
+        return apply_plan(self, loss_fn, has_aux)
 
     def as_flax_names(self, analysis) -> list[dict]:
         """This plan as `checkpoint_name` tags and `nn.remat` policies to write by hand.

@@ -63,19 +63,25 @@ class Analysis:
 
 
 def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bool = True,
-            calibrate: bool = True, progress: Progress | None = None) -> Analysis:
+            calibrate: bool = True, progress: Progress | None = None,
+            has_aux: bool = False) -> Analysis:
     """Trace, build the cost graph and profile every stage (nothing allocated).
 
     With `calibrate`, two whole steps are compiled (without remat, and with every stage
     but the last checkpointed) and the memory model is fitted to XLA's peaks (_calibrate).
+    With `has_aux`, loss_fn returns `(loss, aux)`; aux (e.g. new batch statistics) is
+    returned by the step and counted with fixed memory.
     """
     batch = as_batch(batch)
     say = progress or (lambda msg: None)
     say("tracing")
-    program = trace(loss_fn, params, *batch)
+    program = trace(loss_fn, params, *batch, has_aux=has_aux)
     cost = build_cost_graph(program)
     say(f"{len(program.eqns)} equations, {len(cost.stages)} stages")
     fixed = fixed_memory(params, batch, optimizer)
+    if has_aux:
+        fixed = dataclasses.replace(fixed, aux_bytes=sum(program.nbytes(v)
+                                                         for v in program.aux_outputs))
     chain = profile_stages(program, cost, measure_xla=measure_xla, progress=say)
     store_all = [Segment(i, i + 1, STORE) for i in range(chain.n)]
     noremat_peak, _ = simulate(chain, store_all)
@@ -84,7 +90,7 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
     an = Analysis(program, cost, chain, fixed, noremat_peak, step_flops)
     if calibrate:
         say("measuring the step without remat (calibration)")
-        noremat = measure(loss_fn, params, batch, optimizer)
+        noremat = measure(loss_fn, params, batch, optimizer, has_aux)
         an = _calibrate(dataclasses.replace(an, noremat=noremat,
                                             step_flops=noremat.flops or step_flops),
                         loss_fn, params, batch, optimizer, say)
@@ -134,7 +140,8 @@ def _calibrate(an: Analysis, loss_fn, params, batch, optimizer, say) -> Analysis
     ckpt_all = tuple(Segment(i, i + 1, NOTHING if i < n - 1 else STORE) for i in range(n))
     say("measuring the step with every stage but the last checkpointed (calibration)")
     ckpt_plan = _plan_from_segments(an, ckpt_all, 0, 0, params, batch)
-    ckpt_measured = measure(ckpt_plan.apply(loss_fn), params, batch, optimizer).peak_bytes
+    ckpt_measured = measure(ckpt_plan.apply(loss_fn), params, batch, optimizer,
+                            an.program.has_aux).peak_bytes
 
     def total(chain, segments):
         act, _ = simulate(chain, segments)
@@ -155,7 +162,7 @@ def _calibrate(an: Analysis, loss_fn, params, batch, optimizer, say) -> Analysis
 
 def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bool = True,
          max_rounds: int = 4, progress: Progress | None = None,
-         analysis: Analysis | None = None) -> Plan:
+         analysis: Analysis | None = None, has_aux: bool = False) -> Plan:
     """Plan rematerialization of `loss_fn`'s training step to fit `budget`.
 
     Args:
@@ -166,6 +173,9 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
       optimizer: optax GradientTransformation; without it the step is jax.grad(loss_fn).
       verify: compile the planned step and check XLA's peak (closed loop).
       max_rounds: solve/verify rounds before giving up.
+      analysis: a reusable `analyze(...)` of the same step (it decides has_aux then).
+      has_aux: loss_fn returns `(loss, aux)` (e.g. new BatchNorm statistics); gradients
+        are of the loss, aux is returned by the step and the planned loss.
     Returns:
       A Plan with predicted (and, if verified, measured) peak and recompute FLOPs.
     Raises:
@@ -174,7 +184,9 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     budget_bytes = parse_budget(budget)
     batch = as_batch(batch)
     say = progress or (lambda msg: None)
-    an = analysis or analyze(loss_fn, params, batch, optimizer, calibrate=verify, progress=say)
+    an = analysis or analyze(loss_fn, params, batch, optimizer, calibrate=verify, progress=say,
+                             has_aux=has_aux)
+    has_aux = an.program.has_aux
     overhead = an.fixed.total + an.calibration_bytes
     solver = ChainSolver(an.chain, max(an.noremat_activation_bytes, budget_bytes - overhead, 1))
     min_act = solver.min_feasible_bytes()
@@ -205,7 +217,7 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     for round_ in range(max_rounds):
         p = _make_plan(an, solution, budget_bytes, params, batch, correction)
         say(f"verifying with XLA (round {round_ + 1})")
-        m = measure(p.apply(loss_fn), params, batch, optimizer)
+        m = measure(p.apply(loss_fn), params, batch, optimizer, has_aux)
         lowest_peak = m.peak_bytes if lowest_peak is None else min(lowest_peak, m.peak_bytes)
         p = dataclasses.replace(p, measured_peak_bytes=m.peak_bytes, measured_flops=m.flops,
                                 metadata={**p.metadata, "verify_rounds": round_ + 1})
@@ -266,7 +278,8 @@ def _plan_from_segments(an: Analysis, segments, budget_bytes: int, predicted: in
         fixed_bytes=int(an.fixed.total),
         step_flops=float(an.step_flops),
         metadata={"signature": input_signature(params, batch),
-                  "jax_version": jax.__version__},
+                  "jax_version": jax.__version__,
+                  **({"has_aux": True} if an.program.has_aux else {})},
     )
 
 
@@ -281,14 +294,15 @@ BUILTIN_POLICIES = {
 }
 
 def measure_builtin_policies(loss_fn: Callable, params, batch, optimizer=None,
-                             progress: Progress | None = None) -> dict[str, Measurement]:
+                             progress: Progress | None = None,
+                             has_aux: bool = False) -> dict[str, Measurement]:
     """XLA peak and FLOPs of the step without remat and with each built-in policy per block."""
     say = progress or (lambda msg: None)
     out = {}
     say("measuring: no remat")
-    out["no_remat"] = measure(loss_fn, params, batch, optimizer)
+    out["no_remat"] = measure(loss_fn, params, batch, optimizer, has_aux)
     for name, policy in BUILTIN_POLICIES.items():
         say(f"measuring: {name} per block")
-        out[name] = measure(builtin_policy_loss(loss_fn, params, as_batch(batch), policy),
-                            params, batch, optimizer)
+        out[name] = measure(builtin_policy_loss(loss_fn, params, as_batch(batch), policy, has_aux),
+                            params, batch, optimizer, has_aux)
     return out

@@ -63,6 +63,10 @@ class ChainSolver:
             for a in range(0, n - length + 1):
                 self._fill(a, a + length)
 
+    def _region_keep(self, a: int, c: int) -> int:
+        """Units a checkpointed region over [a, c) keeps (its inputs)."""
+        return self._units(self.chain.region_input_bytes(a, c))
+
     def _units(self, nbytes: int) -> int:
         return -(-int(nbytes) // self.quantum)
 
@@ -85,7 +89,7 @@ class ChainSolver:
             yield ("leaf", opt), a + 1, keep, self._need(need) + cost
         for c in range(a + 2, b + 1):
             if (a, c) in self.R:  # absent only for [a, b) itself while it is being filled
-                yield ("region", None), c, self.x[a], self.R[(a, c)]
+                yield ("region", None), c, self._region_keep(a, c), self.R[(a, c)]
 
     def _fill(self, a: int, b: int) -> None:
         fsum = lambda lo, hi: self.flops_prefix[hi] - self.flops_prefix[lo]
@@ -102,7 +106,7 @@ class ChainSolver:
                 p = np.minimum(p, base + self._shift(self.P[(c, b)], keep))
         self.Qx[(a, b)] = q_excl
         if b - a >= 2:
-            region = self._shift(q_excl, self.x[a]) + self._need(self._units(
+            region = self._shift(q_excl, self._region_keep(a, b)) + self._need(self._units(
                 region_fwd_peak(self.chain, a, b)))
             self.R[(a, b)] = region
             self.Q[(a, b)] = np.minimum(q_excl, region)  # a last region child costs 0 forward
@@ -166,7 +170,7 @@ class ChainSolver:
     def _make_segment(self, kind, opt, a: int, c: int, m: int) -> Segment:
         if kind == "leaf":
             return Segment(a, a + 1, opt.name, opt.saved if opt.name != STORE else ())
-        children = self._recover(a, c, m - self.x[a], top=False, exclude_region=True)
+        children = self._recover(a, c, m - self._region_keep(a, c), top=False, exclude_region=True)
         return Segment(a, c, NOTHING, (), tuple(children))
 
 

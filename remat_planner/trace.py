@@ -52,9 +52,11 @@ class Program:
       invars: ids of the flattened arguments: params leaves first, then batch leaves.
       n_param_leaves: how many of `invars` are parameter leaves.
       consts: id -> concrete constant captured by the trace.
-      outvars: ids (or Literals) of the outputs; a single scalar loss.
+      outvars: ids (or Literals) of the outputs: the scalar loss, then the aux leaves.
       avals: id -> abstract value (shape, dtype).
       in_tree: pytree structure of (params, *batch).
+      aux_tree: pytree structure of the aux output when loss_fn returns (loss, aux)
+        (has_aux), else None.
     """
 
     eqns: tuple[Eqn, ...]
@@ -64,6 +66,17 @@ class Program:
     outvars: tuple
     avals: dict
     in_tree: Any
+    aux_tree: Any = None
+
+    @property
+    def has_aux(self) -> bool:
+        return self.aux_tree is not None
+
+    @functools.cached_property
+    def aux_outputs(self) -> frozenset[int]:
+        """Aux outputs computed by the step (not arguments passed through): returned by
+        the step, so live from their definition to its end, like fixed memory."""
+        return frozenset(v for v in self.outvars[1:] if isinstance(v, int)) - self.free
 
     @functools.cached_property
     def free(self) -> frozenset[int]:
@@ -77,9 +90,11 @@ class Program:
         return env
 
     def output(self, env: dict):
-        """The loss value once `env` has been evaluated."""
-        out = self.outvars[0]
-        return out.val if isinstance(out, Literal) else env[out]
+        """The loss once `env` has been evaluated; `(loss, aux)` for a has_aux program."""
+        vals = [v.val if isinstance(v, Literal) else env[v] for v in self.outvars]
+        if self.aux_tree is None:
+            return vals[0]
+        return vals[0], jax.tree.unflatten(self.aux_tree, vals[1:])
 
     def nbytes(self, vid: int) -> int:
         return nbytes(self.avals[vid])
@@ -94,6 +109,9 @@ class Program:
             ins = ",".join(str(i) if isinstance(i, int) else "L" for i in e.invars)
             outs = ",".join(f"{o}:{self.avals[o].str_short()}" for o in e.outvars)
             h.update(f"{e.name}({ins})->{outs};".encode())
+        if self.aux_tree is not None:
+            outs = ",".join(str(v) if isinstance(v, int) else "L" for v in self.outvars)
+            h.update(f"aux:{self.aux_tree}->{outs};".encode())
         return h.hexdigest()[:16]
 
 
@@ -109,18 +127,30 @@ def _abstractify(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
-def trace(loss_fn: Callable, params, *batch) -> Program:
+def trace(loss_fn: Callable, params, *batch, has_aux: bool = False) -> Program:
     """Trace `loss_fn(params, *batch)` on abstract shapes into a flat Program.
 
     Args:
-      loss_fn: a JAX function returning a scalar.
+      loss_fn: a JAX function returning a scalar, or `(scalar, aux)` with `has_aux`
+        (aux: any pytree of arrays, e.g. updated BatchNorm statistics).
       params, batch: arrays or jax.ShapeDtypeStruct pytrees; nothing is allocated.
     """
     from .errors import UnsupportedModelError
 
     abstract_args = _abstractify((params, *batch))
-    closed = jax.make_jaxpr(lambda p, *b: loss_fn(p, *b))(*abstract_args)
-    outs = closed.out_avals
+    aux_tree = None
+    if has_aux:
+        closed, out_shape = jax.make_jaxpr(lambda p, *b: loss_fn(p, *b), return_shape=True)(
+            *abstract_args)
+        if not (isinstance(out_shape, (tuple, list)) and len(out_shape) == 2):
+            raise UnsupportedModelError(
+                f"with has_aux, loss_fn must return (loss, aux), got {jax.tree.structure(out_shape)}")
+        if len(jax.tree.leaves(out_shape[0])) != 1:
+            raise UnsupportedModelError("with has_aux, the first output of loss_fn must be one scalar loss")
+        aux_tree = jax.tree.structure(out_shape[1])
+    else:
+        closed = jax.make_jaxpr(lambda p, *b: loss_fn(p, *b))(*abstract_args)
+    outs = closed.out_avals[:1] if has_aux else closed.out_avals
     if len(outs) != 1 or getattr(outs[0], "shape", None) != ():
         shapes = ", ".join(str(a) for a in outs)
         raise UnsupportedModelError(
@@ -142,7 +172,7 @@ def trace(loss_fn: Callable, params, *batch) -> Program:
     outvars = builder.inline(closed.jaxpr, env, prefix="")
     in_tree = jax.tree.structure(abstract_args)
     return Program(tuple(builder.eqns), invars, n_param_leaves, builder.consts, tuple(outvars),
-                   builder.avals, in_tree)
+                   builder.avals, in_tree, aux_tree)
 
 
 class _Flattener:

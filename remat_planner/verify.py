@@ -43,31 +43,37 @@ def abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
-def make_step(loss_fn: Callable, optimizer=None) -> Callable:
-    """The step a budget bounds: value_and_grad + optimizer update, or just the grad."""
+def make_step(loss_fn: Callable, optimizer=None, has_aux: bool = False) -> Callable:
+    """The step a budget bounds: value_and_grad + optimizer update, or just the grad.
+
+    With `has_aux` loss_fn returns `(loss, aux)`; the step returns aux last
+    (`(grads, aux)`, or `(params, opt_state, loss, aux)`).
+    """
     if optimizer is None:
         def grad_step(params, batch):
-            return jax.grad(loss_fn)(params, *batch)
+            return jax.grad(loss_fn, has_aux=has_aux)(params, *batch)
         return grad_step
 
     import optax
 
     def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+        out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, *batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        params = optax.apply_updates(params, updates)
+        return (params, opt_state, *out) if has_aux else (params, opt_state, out)
     return step
 
 
-def measure(loss_fn: Callable, params, batch, optimizer=None) -> Measurement:
+def measure(loss_fn: Callable, params, batch, optimizer=None, has_aux: bool = False) -> Measurement:
     """Compile the training step of `loss_fn` on abstract shapes and read XLA's peak/FLOPs.
 
     With `optimizer`, the step is value_and_grad + update with params and optimizer state
-    donated; without, it is jax.grad(loss_fn).
+    donated; without, it is jax.grad(loss_fn). With `has_aux` loss_fn returns
+    `(loss, aux)` and the step returns aux too (it counts as output).
     """
     batch = abstract(as_batch(batch))
     params = abstract(params)
-    step = make_step(loss_fn, optimizer)
+    step = make_step(loss_fn, optimizer, has_aux)
     if optimizer is None:
         lowered = jax.jit(step).lower(params, batch)
     else:
@@ -87,13 +93,14 @@ def measure(loss_fn: Callable, params, batch, optimizer=None) -> Measurement:
                        int(ma.temp_size_in_bytes), seconds)
 
 
-def train_step(loss_fn: Callable, optimizer, plan=None) -> Callable:
-    """Jitted (params, opt_state, batch) -> (params, opt_state, loss) following `plan`.
+def train_step(loss_fn: Callable, optimizer, plan=None, has_aux: bool = False) -> Callable:
+    """Jitted (params, opt_state, batch) -> (params, opt_state, loss) following `plan`;
+    with `has_aux` (loss_fn returns `(loss, aux)`), -> (params, opt_state, loss, aux).
 
     `batch` is the tuple of loss_fn's batch arguments. Params and optimizer state are
     donated.
     """
-    planned = plan.apply(loss_fn) if plan is not None else loss_fn
-    step = make_step(planned, optimizer)
+    planned = plan.apply(loss_fn, has_aux) if plan is not None else loss_fn
+    step = make_step(planned, optimizer, has_aux)
     return jax.jit(lambda p, s, b: step(p, s, as_batch(b)), donate_argnums=(0, 1),
                    compiler_options=compiler_options())

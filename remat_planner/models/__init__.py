@@ -27,6 +27,10 @@ class Workload:
         synthetic_batch: Builds a real random batch from a PRNG key.
         param_count: Total number of parameter scalars.
         info: Printable facts (model type, dtype, batch size, seq len, layers, ...).
+        has_aux: `loss_fn` returns `(loss, aux)`, e.g. BatchNorm's updated batch stats;
+            gradients are taken of the loss only.
+        update_batch: `(batch, aux) -> batch` for the next step (state carried in the
+            batch, such as batch stats), or None when the batch does not depend on aux.
     """
 
     name: str
@@ -37,6 +41,8 @@ class Workload:
     synthetic_batch: Callable[[jax.Array], tuple[jax.Array, ...]]
     param_count: int
     info: dict[str, Any]
+    has_aux: bool = False
+    update_batch: Callable[[tuple, Any], tuple] | None = None
 
 
 Builder = Callable[[Any, int, int], Workload]
@@ -106,3 +112,6 @@ def get_builder(type_name: str) -> Builder:
 
 # Imported last: the module registers itself through register_model defined above.
 from remat_planner.models import gpt2_workload  # noqa: E402,F401
+from remat_planner.models import resnet  # noqa: E402,F401
+from remat_planner.models import unet  # noqa: E402,F401
+from remat_planner.models import nnx_gpt  # noqa: E402,F401
