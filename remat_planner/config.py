@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import optax
 import yaml
@@ -13,6 +13,7 @@ from pydantic_core import PydanticCustomError
 
 from remat_planner.errors import ConfigError
 from remat_planner.models import Workload, get_model, known_model_types
+from remat_planner.models.trainable import select_trainable
 
 
 class OptimizerConfig(BaseModel):
@@ -40,6 +41,11 @@ class RunConfig(BaseModel):
     seq_len: int = Field(gt=0, strict=True, description="Tokens per sequence fed to the model.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer settings.")
     seed: int = Field(0, strict=True, description="PRNG seed for params and synthetic batches.")
+    trainable: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, min_length=1,
+        description="Globs over '/'-joined parameter paths (e.g. 'h_11/*'); only matching "
+                    "parameters get gradients and optimizer state. Default: all.",
+    )
 
     # Where the config came from, so later errors (e.g. in build_workload) can name the file.
     _source: str = PrivateAttr(default="config")
@@ -165,12 +171,18 @@ def load_config(
 def build_workload(cfg: RunConfig) -> Workload:
     """Build the Workload described by `cfg` (shapes only; no params are allocated).
 
+    With `trainable`, the workload's params are the matching parameters only and the
+    frozen ones are its first batch argument (models/trainable.py).
+
     Raises:
         ConfigError: If the model settings are invalid or inconsistent with batch_size/seq_len.
     """
     settings = _validated_settings(cfg)
     try:
-        return get_model(cfg.type).builder(settings, cfg.batch_size, cfg.seq_len)
+        workload = get_model(cfg.type).builder(settings, cfg.batch_size, cfg.seq_len)
+        if cfg.trainable is not None:
+            workload = select_trainable(workload, cfg.trainable, cfg.seed)
+        return workload
     except ConfigError as err:
         raise ConfigError(f"{cfg._source}: {err}") from None
 

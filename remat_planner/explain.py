@@ -11,7 +11,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from .memory import _run, make_segment_fn, stage_io, timeline
+from .memory import _run, differentiated, make_segment_fn, stage_io, timeline, varying_values, vjp_wrt
 from .trace import nbytes
 from .plan import DOTS, DOTS_NO_BATCH, NOTHING, STORE, Plan, Segment
 from .planner import Analysis
@@ -89,7 +89,8 @@ def _store_residuals(program, plan: Plan, seg: Segment, defining) -> list[KeptTe
     outs = [v for v in outs if jax.dtypes.issubdtype(program.avals[v].dtype, np.inexact)]
     f = make_segment_fn(program, lo, hi, ins, outs)
     avals = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype) for v in ins]
-    closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(jax.vjp(f, *a)[1]))(*avals)
+    wrt = differentiated(ins, varying_values(program))
+    closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(vjp_wrt(f, a, wrt)[1]))(*avals)
     producers = {id(o): e for e in closed.jaxpr.eqns for o in e.outvars}
     free, invars = program.free, list(closed.jaxpr.invars)
     kept, seen = [], set()

@@ -236,15 +236,18 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
     """Measure every stage's keep options, residual bytes and XLA workspace."""
     last, defs = last_uses(program), definitions(program)
     free = program.free
+    varying = varying_values(program)
     cache: dict[str, tuple] = {}
     profiles = []
     for k, st in enumerate(cost.stages):
         ins, outs = stage_io(program, st.start, st.stop, last, defs)
-        key = _structure_key(program, st.start, st.stop, ins, outs)
+        wrt = differentiated(ins, varying)
+        # blocks before the first trainable parameter have no backward: not identical to later ones
+        key = _structure_key(program, st.start, st.stop, ins, outs) + str(wrt)
         if key not in cache:
             if progress:
                 progress(f"profiling stage {k + 1}/{len(cost.stages)} {st.name}")
-            cache[key] = _profile_one(program, st.start, st.stop, ins, outs, free, measure_xla)
+            cache[key] = _profile_one(program, st.start, st.stop, ins, outs, free, wrt, measure_xla)
         opts_local, wf, wb, local_names = cache[key]
         # Saved value ids are local to the first stage with this structure: map them over.
         mapping = _value_mapping(program, local_names, st.start, st.stop)
@@ -321,7 +324,7 @@ def _value_mapping(program: Program, ref, start: int, stop: int) -> dict[int, in
     return mapping
 
 
-def _profile_one(program, start, stop, ins, outs, free, measure_xla):
+def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla):
     fn_outs = [v for v in outs if _is_float(program.avals[v])]
     in_avals = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype) for v in ins]
     ct_avals = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype)
@@ -329,7 +332,7 @@ def _profile_one(program, start, stop, ins, outs, free, measure_xla):
     act_inputs = {i for i, v in enumerate(ins) if v not in free}
 
     def residual_bytes(f):
-        closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(jax.vjp(f, *a)[1]))(*in_avals)
+        closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(vjp_wrt(f, a, wrt)[1]))(*in_avals)
         invars = closed.jaxpr.invars
         seen, total = set(), 0
         for v in closed.jaxpr.outvars:
@@ -342,7 +345,7 @@ def _profile_one(program, start, stop, ins, outs, free, measure_xla):
         return total
 
     def step_flops(f):
-        closed = jax.make_jaxpr(lambda a, ct: jax.vjp(f, *a)[1](ct))(in_avals, ct_avals)
+        closed = jax.make_jaxpr(lambda a, ct: vjp_wrt(f, a, wrt)[1](ct))(in_avals, ct_avals)
         return jaxpr_flops(closed)
 
     candidates = [(STORE, ()), (NOTHING, ()),
@@ -365,15 +368,46 @@ def _profile_one(program, start, stop, ins, outs, free, measure_xla):
         options.append(KeepOption(name, saved, residual_bytes(f), rc))
     wf = wb = 0
     if measure_xla and fn_outs:
-        wf, wb = _xla_workspace(base, in_avals, ct_avals)
+        wf, wb = _xla_workspace(base, in_avals, ct_avals, wrt)
     return tuple(options), wf, wb, (start, stop)
 
 
-def _xla_workspace(f, in_avals, ct_avals) -> tuple[int, int]:
+def varying_values(program: Program) -> frozenset[int]:
+    """Values that depend on a parameter: the ones the step's backward pass reaches.
+    Batch arguments (data, frozen parameters), constants and whatever is computed from
+    them alone (the blocks before the first trainable parameter) get no gradient."""
+    varying = set(program.invars[:program.n_param_leaves])
+    for e in program.eqns:
+        if any(not isinstance(v, Literal) and v in varying for v in e.invars):
+            varying.update(e.outvars)
+    return frozenset(varying)
+
+
+def differentiated(ins, varying: frozenset[int]) -> tuple[int, ...]:
+    """Positions in a stage's inputs `ins` that its backward differentiates."""
+    return tuple(i for i, v in enumerate(ins) if v in varying)
+
+
+def vjp_wrt(f, args, wrt):
+    """`jax.vjp` of `f(*args)` with respect to `args[i]` for i in `wrt` only."""
+    def partial(*diff):
+        full = list(args)
+        for i, x in zip(wrt, diff):
+            full[i] = x
+        return f(*full)
+    return jax.vjp(partial, *[args[i] for i in wrt])
+
+
+def _xla_workspace(f, in_avals, ct_avals, wrt) -> tuple[int, int]:
     """XLA temp bytes of the stage's forward+backward compiled together, where XLA's
     fusion decides what is really kept. It also bounds the stage's forward alone (the
-    forward is part of it), so it is used for both: one compile per distinct stage."""
-    both = jax.jit(lambda a, ct: jax.vjp(f, *a)[1](ct))
+    forward is part of it), so it is used for both: one compile per distinct stage. A
+    stage with nothing to differentiate has no backward: its forward alone is compiled."""
+    if not wrt:
+        fwd = jax.jit(f).lower(*in_avals).compile(measure_compiler_options())
+        temp = int(fwd.memory_analysis().temp_size_in_bytes)
+        return temp, temp
+    both = jax.jit(lambda a, ct: vjp_wrt(f, a, wrt)[1](ct))
     wb = both.lower(in_avals, ct_avals).compile(measure_compiler_options())
     wb = wb.memory_analysis().temp_size_in_bytes
     return int(wb), int(wb)

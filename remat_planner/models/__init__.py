@@ -115,3 +115,4 @@ from remat_planner.models import gpt2_workload  # noqa: E402,F401
 from remat_planner.models import resnet  # noqa: E402,F401
 from remat_planner.models import unet  # noqa: E402,F401
 from remat_planner.models import nnx_gpt  # noqa: E402,F401
+from remat_planner.models import bert, llama, vit  # noqa: E402,F401

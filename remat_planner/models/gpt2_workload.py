@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import functools
-import math
-from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from remat_planner.errors import ConfigError
 from remat_planner.models import Workload, register_model
 from remat_planner.models.gpt2 import GPT2, GPT2Config, lm_loss
+from remat_planner.models.layers import (
+    Dtype,
+    abstract_params_of,
+    check_sizes,
+    dtype_field,
+    jit_init,
+    param_dtype_field,
+    scan_layers_field,
+)
 
 
 class GPT2Settings(BaseModel):
@@ -26,7 +32,9 @@ class GPT2Settings(BaseModel):
     n_head: int = Field(12, gt=0, strict=True, description="Attention heads per block; must divide d_model.")
     d_model: int = Field(768, gt=0, strict=True, description="Residual stream width.")
     max_seq_len: int = Field(1024, gt=0, strict=True, description="Rows of the position embedding; upper bound on seq_len.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Activation/compute dtype (params stay float32).")
+    dtype: Dtype = dtype_field()
+    param_dtype: Dtype = param_dtype_field()
+    scan_layers: bool = scan_layers_field()
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> GPT2Settings:
@@ -50,27 +58,15 @@ def build_gpt2(settings: GPT2Settings, batch_size: int, seq_len: int) -> Workloa
     Raises:
         ConfigError: If batch_size/seq_len are not positive or seq_len > max_seq_len.
     """
-    if batch_size <= 0 or seq_len <= 0:
-        raise ConfigError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
-    if seq_len > settings.max_seq_len:
-        raise ConfigError(
-            f"field 'seq_len': {seq_len} exceeds model.max_seq_len {settings.max_seq_len}; "
-            "lower seq_len or raise model.max_seq_len"
-        )
+    check_sizes(batch_size, seq_len, settings.max_seq_len)
     model = GPT2(GPT2Config(**settings.model_dump()))
-
-    @jax.jit
-    def init_params(key: jax.Array) -> Any:
-        # Params do not depend on batch or length, so a 1x1 dummy input keeps init cheap.
-        return model.init(key, jnp.zeros((1, 1), jnp.int32))["params"]
+    init_params = jit_init(model, jnp.zeros((1, 1), jnp.int32))
 
     def synthetic_batch(key: jax.Array) -> tuple[jax.Array]:
         tokens = jax.random.randint(key, (batch_size, seq_len + 1), 0, settings.vocab_size, dtype=jnp.int32)
         return (tokens,)
 
-    # Shape-only key and params: tracing allocates no device buffers.
-    abstract_params = jax.eval_shape(init_params, jax.eval_shape(jax.random.key, 0))
-    param_count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params))
+    abstract_params, param_count = abstract_params_of(init_params)
     return Workload(
         name=f"gpt2-{settings.n_layer}l-{settings.d_model}d",
         loss_fn=functools.partial(lm_loss, model),
@@ -82,6 +78,8 @@ def build_gpt2(settings: GPT2Settings, batch_size: int, seq_len: int) -> Workloa
         info={
             "type": "gpt2",
             "dtype": settings.dtype,
+            "param_dtype": settings.param_dtype,
+            "scan_layers": settings.scan_layers,
             "batch_size": batch_size,
             "seq_len": seq_len,
             "n_layer": settings.n_layer,
