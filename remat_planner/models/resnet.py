@@ -98,9 +98,10 @@ class ResNet(nn.Module):
 
 def max_pool_3x3_s2(x):
     """3x3 max pooling with stride 2 and SAME padding, as the maximum of nine strided
-    slices. Same values as `nn.max_pool`; its gradient is elementwise selects, whereas
-    `reduce_window`'s JVP packs (value, tangent) pairs, which costs several times the
-    input in XLA temporaries when a checkpoint recomputes it in the backward pass."""
+    slices: the same values as `nn.max_pool`, differentiated by elementwise selects.
+    Measured on resnet-tiny at 64 px (XLA CPU): checkpointing the stem's relu +
+    `nn.max_pool` (reduce_window) raised the step's peak by 4x the pooled input instead
+    of lowering it; with this form the same checkpoint lowers the peak by 2x the input."""
     b, h, w, c = x.shape
     out_h, out_w = -(-h // 2), -(-w // 2)
     pad_h, pad_w = max(0, 2 * (out_h - 1) + 3 - h), max(0, 2 * (out_w - 1) + 3 - w)
