@@ -21,11 +21,21 @@ from .plan import Plan, Segment
 from .trace import Program, eval_range, trace
 
 
-def input_signature(params, batch: Sequence) -> list[str]:
-    """Shapes and dtypes of the batch leaves plus the parameter count, for messages."""
+def input_signature(params, batch: Sequence, program: Program | None = None) -> list[str]:
+    """What a plan was made for, as `key: value` lines for mismatch messages: parameter
+    count and dtypes, batch shapes and dtypes and, given the traced program, the floating
+    dtypes it computes in and its equation count."""
     sig = [f"{l.dtype}{list(np.shape(l))}" for l in jax.tree.leaves(batch)]
-    n_params = sum(int(np.prod(np.shape(l), dtype=np.int64)) for l in jax.tree.leaves(params))
-    return [f"params: {n_params} values"] + [f"batch[{i}]: {s}" for i, s in enumerate(sig)]
+    leaves = jax.tree.leaves(params)
+    n_params = sum(int(np.prod(np.shape(l), dtype=np.int64)) for l in leaves)
+    dtypes = ", ".join(sorted({str(l.dtype) for l in leaves}))
+    lines = [f"params: {n_params} values ({dtypes})"]
+    lines += [f"batch[{i}]: {s}" for i, s in enumerate(sig)]
+    if program is not None:
+        computed = sorted({str(program.avals[v].dtype) for e in program.eqns for v in e.outvars
+                           if jax.numpy.issubdtype(program.avals[v].dtype, np.floating)})
+        lines += [f"compute dtypes: {', '.join(computed)}", f"equations: {len(program.eqns)}"]
+    return lines
 
 
 def apply_plan(plan: Plan, loss_fn: Callable, has_aux: bool | None = None) -> Callable:
@@ -56,14 +66,24 @@ def apply_plan(plan: Plan, loss_fn: Callable, has_aux: bool | None = None) -> Ca
 
 
 def check_matches(plan: Plan, program: Program, params, batch) -> None:
+    """PlanMismatchError naming what differs unless `plan` was made for `program`."""
     if program.fingerprint() == plan.fingerprint:
+        if plan.stages[-1].stop != len(program.eqns):
+            raise PlanMismatchError(
+                f"plan stages cover {plan.stages[-1].stop} equations but the computation has "
+                f"{len(program.eqns)}; re-plan for these inputs")
         return
-    here = input_signature(params, batch)
-    there = plan.metadata.get("signature", [])
-    diffs = [f"{b} (plan: {a})" for a, b in zip(there, here) if a != b]
-    what = "; ".join(diffs) if diffs else "the traced equations differ (model code or dtype)"
+    here = _by_key(input_signature(params, batch, program))
+    there = _by_key(plan.metadata.get("signature", []))
+    diffs = [f"{key}: {here[key]} (plan: {there[key]})" for key in here
+             if key in there and here[key] != there[key]]
+    what = "; ".join(diffs) if diffs else "the traced equations differ (model code changed)"
     raise PlanMismatchError(f"plan does not match this computation: {what}; "
                             "re-plan for these inputs")
+
+
+def _by_key(lines) -> dict[str, str]:
+    return dict(line.split(": ", 1) for line in lines if ": " in line)
 
 
 def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env: dict,

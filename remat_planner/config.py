@@ -137,12 +137,18 @@ def load_config(
     """
     source = os.fspath(path)
     file = Path(source)
+    if file.is_dir():
+        raise ConfigError(f"'{source}' is a directory, not a config file; pass a YAML file "
+                          "such as configs/gpt2-tiny.yaml")
     if not file.is_file():
         raise ConfigError(f"no such config file '{source}'")
     try:
         text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{source}: cannot read config file: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{source}: cannot read config file: not UTF-8 text ({err.reason} at "
+                          f"byte {err.start}); save it as UTF-8 YAML") from None
+    except OSError as err:
+        raise ConfigError(f"{source}: cannot read config file: {err.strerror or err}") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:

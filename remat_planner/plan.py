@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from typing import Any, Callable
 
@@ -136,7 +137,9 @@ class Plan:
         }
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+        """The plan as JSON with a checksum of its content, so an edited file is refused."""
+        d = self.to_dict()
+        return json.dumps({**d, "checksum": _checksum(d)}, indent=1, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -150,6 +153,12 @@ class Plan:
         try:
             if d.get("format") != "remat-planner/plan" or d.get("version") != PLAN_FORMAT_VERSION:
                 raise ValueError(f"format {d.get('format')!r} version {d.get('version')!r}")
+            checksum = d.pop("checksum", None)
+            if checksum != _checksum(d):
+                raise PlanMismatchError(
+                    "plan file was changed after it was written (checksum "
+                    f"{'missing' if checksum is None else 'mismatch'}); plans are not edited by "
+                    "hand: re-run remat-plan --out to write it again")
             stages = tuple(StageInfo(int(a), int(b), str(n)) for a, b, n in d["stages"])
             segments = tuple(Segment.from_dict(s) for s in d["segments"])
             plan = cls(segments, stages, str(d["fingerprint"]), int(d["budget_bytes"]),
@@ -158,11 +167,30 @@ class Plan:
                        None if d.get("measured_peak_bytes") is None else int(d["measured_peak_bytes"]),
                        None if d.get("measured_flops") is None else float(d["measured_flops"]),
                        dict(d.get("metadata", {})))
+            validate_stages(plan.stages)
             validate_segments(plan.segments, len(plan.stages))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise PlanMismatchError(f"plan file is damaged or not a remat-planner plan ({e}); "
+            what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+            raise PlanMismatchError(f"plan file is damaged or not a remat-planner plan ({what}); "
                                     "re-run remat-plan --out to write it again") from None
         return plan
+
+
+def _checksum(d: dict) -> str:
+    """Hash of a plan's dict (without its checksum) in a canonical JSON form."""
+    canonical = json.dumps(d, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def validate_stages(stages) -> None:
+    """Check that stages tile equations [0, n) in order, none empty; ValueError if not."""
+    if not stages:
+        raise ValueError("a plan has at least one stage")
+    pos = 0
+    for s in stages:
+        if s.start != pos or s.stop <= s.start:
+            raise ValueError(f"stage [{s.start}, {s.stop}) does not continue at equation {pos}")
+        pos = s.stop
 
 
 def validate_segments(segments, n_stages: int, start: int = 0) -> None:

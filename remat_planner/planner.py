@@ -277,7 +277,7 @@ def _plan_from_segments(an: Analysis, segments, budget_bytes: int, predicted: in
         recompute_flops=float(recompute_flops),
         fixed_bytes=int(an.fixed.total),
         step_flops=float(an.step_flops),
-        metadata={"signature": input_signature(params, batch),
+        metadata={"signature": input_signature(params, batch, an.program),
                   "jax_version": jax.__version__,
                   **({"has_aux": True} if an.program.has_aux else {})},
     )

@@ -124,7 +124,30 @@ def nbytes(x) -> int:
 
 
 def _abstractify(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+    """ShapeDtypeStructs of the arguments; UnsupportedModelError naming a leaf that is not
+    an array (a Python number, string, list ...)."""
+    from .errors import UnsupportedModelError
+
+    def one(path, x):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            where = "params" if path[0].idx == 0 else f"batch[{path[0].idx - 1}]"
+            where += jax.tree_util.keystr(path[1:])
+            raise UnsupportedModelError(
+                f"{where} is a {type(x).__name__}, not an array; pass arrays or "
+                "jax.ShapeDtypeStruct leaves (e.g. jnp.asarray(value))")
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def _check_batch_not_empty(batch) -> None:
+    """A batch whose every array is empty (batch size 0) is a step with nothing to plan."""
+    from .errors import UnsupportedModelError
+    leaves = jax.tree.leaves(batch)
+    if leaves and all(int(np.prod(l.shape, dtype=np.int64)) == 0 for l in leaves):
+        shapes = ", ".join(f"{l.dtype}{list(l.shape)}" for l in leaves)
+        raise UnsupportedModelError(
+            f"the batch is empty ({shapes}); a step on zero examples has nothing to plan: "
+            "pass a batch with at least one example")
 
 
 def trace(loss_fn: Callable, params, *batch, has_aux: bool = False) -> Program:
@@ -138,6 +161,7 @@ def trace(loss_fn: Callable, params, *batch, has_aux: bool = False) -> Program:
     from .errors import UnsupportedModelError
 
     abstract_args = _abstractify((params, *batch))
+    _check_batch_not_empty(abstract_args[1:])
     aux_tree = None
     if has_aux:
         closed, out_shape = jax.make_jaxpr(lambda p, *b: loss_fn(p, *b), return_shape=True)(
