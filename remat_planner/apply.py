@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
+from . import scan
 from .errors import PlanMismatchError
 from .graph import definitions, last_uses
 from .memory import make_segment_fn, stage_io, value_name
@@ -91,6 +92,9 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
     """Evaluate `segments` in order on `env`, checkpointing the checkpointed ones."""
     for seg in segments:
         lo, hi = plan.stages[seg.start].start, plan.stages[seg.stop - 1].stop
+        if scan.is_scan_option(seg.option):  # the layer stack, rebuilt as the scheme says
+            scan.run_stage(program, lo, hi, seg.option, env)
+            continue
         if not seg.is_checkpoint:
             eval_range(program, lo, hi, env)
             continue
@@ -132,17 +136,28 @@ def block_ranges(program: Program) -> list[tuple[int, int]]:
 
 def builtin_policy_loss(loss_fn: Callable, params, batch: Sequence, policy,
                         has_aux: bool = False) -> Callable:
-    """`loss_fn` with each repeated block in its own jax.checkpoint(policy=...)."""
+    """`loss_fn` with each repeated block in its own jax.checkpoint(policy=...); blocks
+    stacked by a scan (nn.scan) get the policy on the scan body, as `nn.remat` of the
+    block inside `nn.scan` would."""
     program = trace(loss_fn, params, *batch, has_aux=has_aux)
     blocks = block_ranges(program)
     last, defs = last_uses(program), definitions(program)
     end = len(program.eqns)
+    layer_scan = scan.find_layer_scan(program)
+
+    def evaluate(lo: int, hi: int, env: dict) -> None:
+        if layer_scan is None or not lo <= layer_scan < hi:
+            eval_range(program, lo, hi, env)
+            return
+        eval_range(program, lo, layer_scan, env)
+        scan.run_with_policy(program, layer_scan, policy, env)
+        eval_range(program, layer_scan + 1, hi, env)
 
     def loss(p, *b):
         env = program.bind(jax.tree.leaves((p, *b)))
         pos = 0
         for lo, hi in blocks + [(end, end)]:
-            eval_range(program, pos, lo, env)
+            evaluate(pos, lo, env)
             if hi > lo:
                 ins, outs = stage_io(program, lo, hi, last, defs)
                 fn = jax.checkpoint(make_segment_fn(program, lo, hi, ins, outs), policy=policy)

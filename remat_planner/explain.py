@@ -15,6 +15,7 @@ from .memory import _run, differentiated, make_segment_fn, stage_io, timeline, v
 from .trace import nbytes
 from .plan import DOTS, DOTS_NO_BATCH, NOTHING, STORE, Plan, Segment
 from .planner import Analysis
+from .scan import describe as describe_scan, is_scan_option
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +127,10 @@ def _explain_segment(an: Analysis, plan: Plan, seg: Segment, defining) -> Segmen
         modelled = option.keep_bytes
         if seg.option == STORE:
             kept = _store_residuals(program, plan, seg, defining)
+        elif is_scan_option(seg.option):  # per-iteration values, stacked by the scan
+            kept = _inputs(program, plan, seg, defining) + [
+                KeptTensor(f"stacked by the scan ({seg.option})", modules[0], "scan", (), "",
+                           int(modelled))]
         else:
             kept = _inputs(program, plan, seg, defining) + [
                 _tensor(program, defining, v, "named value") for v in seg.saved]
@@ -172,6 +177,9 @@ def flax_names(an: Analysis, plan: Plan) -> list[dict]:
         modules = [plan.stages[i].name for i in range(seg.start, seg.stop)]
         if seg.option == STORE:
             return {"modules": modules, "remat": False}
+        if is_scan_option(seg.option):
+            return {"modules": modules, "remat": True, "scan_scheme": seg.option,
+                    "how": describe_scan(seg.option)}
         tags = []
         for k, v in enumerate(seg.saved):
             t = _tensor(an.program, defining, v, "named value")

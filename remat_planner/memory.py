@@ -107,6 +107,10 @@ class KeepOption:
     saved: tuple[int, ...]      # value ids tagged and kept by name (checkpoint options)
     keep_bytes: int              # activation bytes kept from forward to backward
     recompute_flops: float       # extra FLOPs in the backward, vs. `store`
+    # Workspaces of this option when they depend on it (scan schemes, see scan.py);
+    # None: the stage's own fwd_temp_bytes / bwd_temp_bytes.
+    fwd_temp_bytes: int | None = None
+    bwd_temp_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,16 +423,19 @@ def _xla_workspace(f, in_avals, ct_avals, wrt) -> tuple[int, int]:
 
 def leaf_fwd_peak(chain: ChainModel, i: int, option: KeepOption) -> int:
     s = chain.stages[i]
+    temp = s.fwd_temp_bytes if option.fwd_temp_bytes is None else option.fwd_temp_bytes
     return (chain.boundary[i] + chain.boundary[i + 1] - chain.overlap_bytes(i, i + 1)
-            + option.keep_bytes + s.fwd_temp_bytes)
+            + option.keep_bytes + temp)
 
 
-def leaf_bwd_peak(chain: ChainModel, i: int) -> int:
+def leaf_bwd_peak(chain: ChainModel, i: int, option: KeepOption | None = None) -> int:
     # bwd_temp_bytes is XLA's temp for the stage's forward+backward compiled together: it
     # holds the residuals as XLA keeps them (after fusion) and the backward's workspace.
     s = chain.stages[i]
-    return (2 * chain.boundary[i] + chain.boundary[i + 1] - chain.overlap_bytes(i, i + 1)
-            + s.bwd_temp_bytes)
+    temp = s.bwd_temp_bytes
+    if option is not None and option.bwd_temp_bytes is not None:
+        temp = option.bwd_temp_bytes
+    return 2 * chain.boundary[i] + chain.boundary[i + 1] - chain.overlap_bytes(i, i + 1) + temp
 
 
 def region_fwd_peak(chain: ChainModel, a: int, b: int) -> int:
@@ -500,7 +507,8 @@ def _run(chain, segments, live: int, inside_region: bool, events=None) -> tuple[
             peak = max(peak, sub_peak)
             cost += sub_cost
         else:
-            step = before + leaf_bwd_peak(chain, seg.start)
+            step = before + leaf_bwd_peak(chain, seg.start,
+                                          chain.stages[seg.start].option(seg.option))
             peak = max(peak, step)
             if events is not None:
                 events.append(TimelinePoint("backward", seg.start, seg.stop, step, before))

@@ -199,7 +199,12 @@ def validate_segments(segments, n_stages: int, start: int = 0) -> None:
     for s in segments:
         if s.start != pos or s.stop <= s.start:
             raise ValueError(f"segment [{s.start}, {s.stop}) does not continue at stage {pos}")
-        if s.option not in (STORE, NOTHING, DOTS_NO_BATCH, DOTS):
+        if s.option.startswith("scan:"):  # a scan scheme: one layer-stack stage, a leaf
+            from .scan import validate_option
+            validate_option(s.option)
+            if s.stop - s.start != 1 or s.children:
+                raise ValueError("a scan scheme segment is exactly one stage without children")
+        elif s.option not in (STORE, NOTHING, DOTS_NO_BATCH, DOTS):
             raise ValueError(f"unknown keep option {s.option!r}")
         if s.option == STORE and (s.stop - s.start != 1 or s.children):
             raise ValueError("a store segment is exactly one stage without children")

@@ -13,6 +13,7 @@ from typing import Callable
 
 import jax
 
+from . import scan
 from .apply import builtin_policy_loss, input_signature
 from .budget import parse_budget
 from .errors import InfeasibleBudgetError
@@ -68,7 +69,9 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
     """Trace, build the cost graph and profile every stage (nothing allocated).
 
     With `calibrate`, two whole steps are compiled (without remat, and with every stage
-    but the last checkpointed) and the memory model is fitted to XLA's peaks (_calibrate).
+    but the last checkpointed) and the memory model is fitted to XLA's peaks (_calibrate);
+    for a model whose layers are one scan, the second step checkpoints the scan's body
+    instead and the two compile side by side (_calibrate_scan).
     With `has_aux`, loss_fn returns `(loss, aux)`; aux (e.g. new batch statistics) is
     returned by the step and counted with fixed memory.
     """
@@ -82,19 +85,66 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
     if has_aux:
         fixed = dataclasses.replace(fixed, aux_bytes=sum(program.nbytes(v)
                                                          for v in program.aux_outputs))
-    chain = profile_stages(program, cost, measure_xla=measure_xla, progress=say)
+    scanned = scan.profile_chain(program, cost, measure_xla=measure_xla, progress=say)
+    if scanned is not None:  # the layers are one scan: a stage whose options are scan schemes
+        cost, chain = scanned.cost, scanned.chain
+    else:
+        chain = profile_stages(program, cost, measure_xla=measure_xla, progress=say)
     store_all = [Segment(i, i + 1, STORE) for i in range(chain.n)]
     noremat_peak, _ = simulate(chain, store_all)
     # forward + backward of the unplanned step: backward ~ 2x forward for dots
     step_flops = 3.0 * cost.total_flops
     an = Analysis(program, cost, chain, fixed, noremat_peak, step_flops)
-    if calibrate:
+    if calibrate and scanned is not None:
+        an = _calibrate_scan(an, scanned, loss_fn, params, batch, optimizer, say)
+    elif calibrate:
         say("measuring the step without remat (calibration)")
         noremat = measure(loss_fn, params, batch, optimizer, has_aux)
         an = _calibrate(dataclasses.replace(an, noremat=noremat,
                                             step_flops=noremat.flops or step_flops),
                         loss_fn, params, batch, optimizer, say)
     return an
+
+
+def _calibrate_scan(an: Analysis, scanned: "scan.ScanChain", loss_fn, params, batch, optimizer,
+                    say) -> Analysis:
+    """Fit a layer-stack scan's model to XLA on two steps compiled side by side: without
+    remat, and with the stack a flat scan of checkpointed bodies (scan.calibration_scheme).
+
+    The stack's options carry their own workspaces, so _calibrate's per-stage scales do
+    not apply; instead `beta` scales the iteration workspace (fitted on the checkpointed
+    step, where it sets the peak) and `alpha` the plain scan's stacked residuals (fitted
+    on the step without remat). The other stages are used as measured.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    n, k, has_aux = an.chain.n, scanned.stage, an.program.has_aux
+    store_all = [Segment(i, i + 1, STORE) for i in range(n)]
+    ckpt = tuple(Segment(i, i + 1, scan.calibration_scheme(scanned.stack) if i == k else STORE)
+                 for i in range(n))
+    ckpt_loss = _plan_from_segments(an, ckpt, 0, 0, params, batch).apply(loss_fn)
+    say("measuring the step without remat and with the layer stack checkpointed (calibration)")
+    with ThreadPoolExecutor(max_workers=1) as pool:  # XLA compiles release the GIL
+        pending = pool.submit(measure, loss_fn, params, batch, optimizer, has_aux)
+        ckpt_peak = measure(ckpt_loss, params, batch, optimizer, has_aux).peak_bytes
+        noremat = pending.result()
+
+    def total(stack, segments) -> int:
+        act, _ = simulate(scanned.with_stack(stack, frontier=False).chain, segments)
+        return an.fixed.total + max(act, an.fixed.update_temp_bytes)
+
+    fit_beta = lambda b: total(scan.rescaled(scanned.stack, 1.0, b), ckpt)
+    # The workspace only moves the prediction when the stack's backward sets the peak.
+    beta = 1.0 if fit_beta(0.5) == fit_beta(4.0) else _fit_scale(fit_beta, ckpt_peak, lo=0.5)
+    alpha = _fit_scale(lambda a: total(scan.rescaled(scanned.stack, a, beta), store_all),
+                       noremat.peak_bytes, lo=0.5)
+    chain = scanned.with_stack(scan.rescaled(scanned.stack, alpha, beta)).chain
+    act, _ = simulate(chain, store_all)
+    offset = noremat.peak_bytes - (an.fixed.total + max(act, an.fixed.update_temp_bytes))
+    return dataclasses.replace(an, chain=chain, noremat=noremat,
+                               step_flops=noremat.flops or an.step_flops,
+                               noremat_activation_bytes=act, calibration_bytes=offset,
+                               residual_scale=alpha, workspace_scale=beta)
 
 
 def _scaled(chain: ChainModel, alpha: float, beta: float) -> ChainModel:

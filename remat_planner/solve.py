@@ -51,8 +51,8 @@ class ChainSolver:
         self.x = [u(b) for b in chain.boundary]
         self.leaf = []  # per stage: list of (option, keep, need, cost)
         for i, s in enumerate(chain.stages):
-            bwd = u(leaf_bwd_peak(chain, i))
-            self.leaf.append([(o, u(o.keep_bytes), max(u(leaf_fwd_peak(chain, i, o)), bwd),
+            self.leaf.append([(o, u(o.keep_bytes),
+                               max(u(leaf_fwd_peak(chain, i, o)), u(leaf_bwd_peak(chain, i, o))),
                                o.recompute_flops) for o in s.options])
         self.flops_prefix = np.concatenate([[0.0], np.cumsum([s.flops for s in chain.stages])])
         self.P: dict[tuple[int, int], np.ndarray] = {}

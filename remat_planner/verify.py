@@ -13,7 +13,9 @@ from typing import Callable, Sequence
 
 import jax
 import numpy as np
+from jax.extend import core as jcore
 
+from .graph import jaxpr_flops
 from .memory import compiler_options, measure_compiler_options
 
 
@@ -75,10 +77,11 @@ def measure(loss_fn: Callable, params, batch, optimizer=None, has_aux: bool = Fa
     params = abstract(params)
     step = make_step(loss_fn, optimizer, has_aux)
     if optimizer is None:
-        lowered = jax.jit(step).lower(params, batch)
+        traced = jax.jit(step).trace(params, batch)
     else:
         opt_state = jax.eval_shape(optimizer.init, params)
-        lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, batch)
+        traced = jax.jit(step, donate_argnums=(0, 1)).trace(params, opt_state, batch)
+    lowered = traced.lower()
     t0 = time.perf_counter()
     compiled = lowered.compile(measure_compiler_options())
     seconds = time.perf_counter() - t0
@@ -88,9 +91,24 @@ def measure(loss_fn: Callable, params, batch, optimizer=None, has_aux: bool = Fa
         cost = cost[0]
     peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
             + ma.temp_size_in_bytes)
-    return Measurement(int(peak), float(cost.get("flops", 0.0)), int(ma.argument_size_in_bytes),
+    flops = float(cost.get("flops", 0.0))
+    if _has_scan(traced.jaxpr):
+        # XLA's cost analysis counts a loop body once whatever its trip count; the
+        # analytic count multiplies a scan body by its length.
+        flops = jaxpr_flops(traced.jaxpr)
+    return Measurement(int(peak), flops, int(ma.argument_size_in_bytes),
                        int(ma.output_size_in_bytes), int(ma.alias_size_in_bytes),
                        int(ma.temp_size_in_bytes), seconds)
+
+
+def _has_scan(jaxpr) -> bool:
+    """Whether a (closed) jaxpr runs a scan of more than one iteration, at any depth."""
+    for e in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        if e.primitive.name == "scan" and e.params["length"] > 1:
+            return True
+        if any(_has_scan(sub) for sub in jcore.jaxprs_in_params(e.params)):
+            return True
+    return False
 
 
 def train_step(loss_fn: Callable, optimizer, plan=None, has_aux: bool = False) -> Callable:

@@ -97,10 +97,8 @@ def select_trainable(workload: Workload, patterns: Sequence[str], seed: int) -> 
     def synthetic_batch(key: jax.Array) -> tuple:
         return (frozen_params(), *workload.synthetic_batch(key))
 
-    update_batch = workload.update_batch
-    if update_batch is not None:
-        inner = update_batch
-        update_batch = lambda batch, aux: (batch[0], *inner(batch[1:], aux))  # noqa: E731
+    def update_batch(batch: tuple, aux: Any) -> tuple:
+        return (batch[0], *workload.update_batch(batch[1:], aux))
 
     trainable_abstract, frozen_abstract = _split(abstract, paths, mask)
     trainable_count = sum(leaf.size for leaf in jax.tree.leaves(trainable_abstract))
@@ -111,6 +109,6 @@ def select_trainable(workload: Workload, patterns: Sequence[str], seed: int) -> 
         abstract_batch=(frozen_abstract, *workload.abstract_batch),
         init_params=init_params,
         synthetic_batch=synthetic_batch,
-        update_batch=update_batch,
+        update_batch=None if workload.update_batch is None else update_batch,
         info={**workload.info, "trainable_params": trainable_count},
     )
