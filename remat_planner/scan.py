@@ -55,7 +55,7 @@ from .trace import Eqn, Literal, Program, _Flattener, eval_range, nbytes
 SCAN_PREFIX = "scan:"
 MIN_SHARE = 0.5         # a layer stack holds at least this share of the step's forward FLOPs
 MAX_SUB_STAGES = 2      # sub-stages of the body (attention | MLP): per-iteration plans over them
-_PART = re.compile(r"^(\d+)x([a-z_|()]+)((?:/\d+)*)$")
+_PART = re.compile(r"^(\d+)x([a-z_|()\[\]]+)((?:/\d+)*)$")
 
 
 # ---------------------------------------------------------------------------------------
@@ -353,9 +353,30 @@ def body_chain(body: Body, *, measure_xla: bool = True) -> ChainModel:
     return ChainModel(chain.stages, tuple(int(b) for b in boundary))
 
 
+def whole_body_chain(body: Body, *, measure_xla: bool = True) -> ChainModel | None:
+    """The body as one stage, profiled like any stage: its options are one checkpoint
+    over the whole block under a keep rule, exactly what `nn.remat(block, policy=...)`
+    inside `nn.scan` does with JAX's dots / dots-without-batch-dims policies. None when
+    the body has a single sub-stage (its options are the sub-stage's already)."""
+    if body.cost.stages.__len__() < 2:
+        return None
+    program = body.program
+    n = len(program.eqns)
+    one = dataclasses.replace(body.cost, stages=(Stage(0, n, body.cost.stages[0].name,
+                                                       body.cost.total_flops),))
+    chain = profile_stages(program, one, measure_xla=measure_xla)
+    carry = program.invars[body.num_consts:body.num_consts + body.num_carry]
+    out = sum(program.nbytes(v) for v in program.outvars if isinstance(v, int))
+    return ChainModel(chain.stages, (sum(program.nbytes(v) for v in carry), int(out)))
+
+
 # ---------------------------------------------------------------------------------------
 # Per-iteration plans
 # ---------------------------------------------------------------------------------------
+
+# A per-iteration plan that is one checkpoint over the whole body with a keep rule is
+# written `[rule]` (e.g. `[dots_no_batch]`, JAX's policy on the block).
+_WHOLE_RULES = ("dots_no_batch", "dots")
 
 @dataclasses.dataclass(frozen=True)
 class IterationPlan:
@@ -374,8 +395,16 @@ def plan_name(segments: Sequence[Segment]) -> str:
     return "|".join(f"({plan_name(s.children)})" if s.children else s.option for s in segments)
 
 
-def parse_plan(name: str, chain: ChainModel, start: int = 0) -> tuple[Segment, ...]:
-    """The per-iteration segments named `name` (see plan_name); ValueError if malformed."""
+def parse_plan(name: str, chain: ChainModel, start: int = 0,
+               whole: ChainModel | None = None) -> tuple[Segment, ...]:
+    """The per-iteration segments named `name` (see plan_name; `[rule]` is one checkpoint
+    over the whole body, `whole` its one-stage chain); ValueError if malformed."""
+    if name.startswith("[") and name.endswith("]") and start == 0:
+        rule = name[1:-1]
+        if whole is None or rule not in _WHOLE_RULES:
+            raise ValueError(f"per-iteration plan {name!r}: no whole-body keep rule {rule!r}")
+        option = whole.stages[0].option(rule)
+        return (Segment(0, chain.n, option.name, option.saved),)
     segments, pos, i = [], start, 0
     while i < len(name):
         if name[i] == "(":
@@ -409,14 +438,27 @@ def parse_plan(name: str, chain: ChainModel, start: int = 0) -> tuple[Segment, .
     return tuple(segments)
 
 
-def iteration_plans(chain: ChainModel) -> tuple[IterationPlan, ...]:
-    """Every plan of one iteration (solve.enumerate_plans over the body's sub-stages)."""
+def iteration_plans(chain: ChainModel, whole: ChainModel | None = None
+                    ) -> tuple[IterationPlan, ...]:
+    """Every plan of one iteration (solve.enumerate_plans over the body's sub-stages),
+    and the whole-body checkpoints `[rule]` measured on `whole`."""
     plans = []
     for segments in enumerate_plans(chain):
         peak, cost = simulate(chain, segments)
         keep = sum(segment_keep(chain, s) for s in segments)
         plans.append(IterationPlan(plan_name(segments), tuple(segments), int(keep), int(peak),
                                    float(cost)))
+    if whole is not None:
+        names = {o.name for o in whole.stages[0].options}
+        for rule in _WHOLE_RULES:
+            if rule not in names:
+                continue  # the same keep set as an earlier rule (or none)
+            option = whole.stages[0].option(rule)
+            seg = Segment(0, 1, option.name, option.saved)
+            peak, cost = simulate(whole, [seg])
+            plans.append(IterationPlan(f"[{rule}]", (Segment(0, chain.n, option.name,
+                                                              option.saved),),
+                                       int(segment_keep(whole, seg)), int(peak), float(cost)))
     return tuple(plans)
 
 
@@ -449,6 +491,7 @@ class LayerStack:
     body_flops: float
     chain: ChainModel
     plans: tuple[IterationPlan, ...]
+    whole: ChainModel | None = None   # the body as one stage (whole_body_chain)
 
     def plan(self, name: str) -> IterationPlan:
         for p in self.plans:
@@ -472,25 +515,34 @@ def profile_layer_stack(program: Program, index: int, *, measure_xla: bool = Tru
     _, carry, xs = body.split([program.avals[v] if isinstance(v, int) else np.asarray(v.val)
                                for v in eqn.invars])
     chain = body_chain(body, measure_xla=measure_xla)
-    _CHAINS[_body_key(body)] = chain
+    whole = whole_body_chain(body, measure_xla=measure_xla)
+    _CHAINS[_body_key(body)] = (chain, whole)
     return LayerStack(eqn.params["length"], sum(nbytes(a) for a in carry),
                       sum(nbytes(a) // a.shape[0] for a in xs if _is_float(a)),
-                      jaxpr_flops(eqn.params["jaxpr"]), chain, iteration_plans(chain))
+                      jaxpr_flops(eqn.params["jaxpr"]), chain, iteration_plans(chain, whole),
+                      whole)
 
 
 def rescaled(stack: LayerStack, alpha: float, beta: float) -> LayerStack:
     """`stack` with the body's `store` residuals scaled by alpha and its sub-stage
     workspaces by beta (fitted to XLA by planner._calibrate_scan), its per-iteration
     plans re-evaluated."""
-    stages = []
-    for s in stack.chain.stages:
-        opts = (dataclasses.replace(s.options[0], keep_bytes=int(s.options[0].keep_bytes * alpha)),
-                *s.options[1:])
-        stages.append(dataclasses.replace(s, options=opts,
-                                          fwd_temp_bytes=int(s.fwd_temp_bytes * beta),
-                                          bwd_temp_bytes=int(s.bwd_temp_bytes * beta)))
-    chain = dataclasses.replace(stack.chain, stages=tuple(stages))
-    return dataclasses.replace(stack, chain=chain, plans=iteration_plans(chain))
+    def scaled(chain: ChainModel | None) -> ChainModel | None:
+        if chain is None:
+            return None
+        stages = []
+        for s in chain.stages:
+            opts = (dataclasses.replace(s.options[0],
+                                        keep_bytes=int(s.options[0].keep_bytes * alpha)),
+                    *s.options[1:])
+            stages.append(dataclasses.replace(s, options=opts,
+                                              fwd_temp_bytes=int(s.fwd_temp_bytes * beta),
+                                              bwd_temp_bytes=int(s.bwd_temp_bytes * beta)))
+        return dataclasses.replace(chain, stages=tuple(stages))
+
+    chain, whole = scaled(stack.chain), scaled(stack.whole)
+    return dataclasses.replace(stack, chain=chain, whole=whole,
+                               plans=iteration_plans(chain, whole))
 
 
 # ---------------------------------------------------------------------------------------
@@ -686,9 +738,9 @@ def run_scheme(program: Program, index: int, option: str, env: dict) -> None:
         from .errors import PlanMismatchError
         raise PlanMismatchError(f"scan scheme {option!r} covers {scheme.length} iterations, the "
                                 f"scan has {body.length}; re-plan for this model")
-    chain = _named_chain(body)
+    chain, whole = _named_chain(body)
     try:
-        plans = [parse_plan(part.policy, chain) for part in scheme.parts]
+        plans = [parse_plan(part.policy, chain, whole=whole) for part in scheme.parts]
     except ValueError as e:
         from .errors import PlanMismatchError
         raise PlanMismatchError(f"{e}; re-plan for this model") from None
@@ -707,21 +759,22 @@ def run_scheme(program: Program, index: int, option: str, env: dict) -> None:
     env.update(zip(eqn.outvars, list(carry) + ys))
 
 
-_CHAINS: dict[str, ChainModel] = {}
+_CHAINS: dict[str, tuple[ChainModel, ChainModel | None]] = {}
 
 
 def _body_key(body: Body) -> str:
     return str(body.eqn.params["jaxpr"])
 
 
-def _named_chain(body: Body) -> ChainModel:
-    """The body chain, for the values its options keep by name (what applying a plan
-    needs); measured at analysis, else profiled without XLA here."""
+def _named_chain(body: Body) -> tuple[ChainModel, ChainModel | None]:
+    """The body chain and its one-stage form, for the values their options keep by name
+    (what applying a plan needs); measured at analysis, else profiled without XLA here."""
     key = _body_key(body)
     if key not in _CHAINS:
         if len(_CHAINS) > 16:
             _CHAINS.clear()
-        _CHAINS[key] = body_chain(body, measure_xla=False)
+        _CHAINS[key] = (body_chain(body, measure_xla=False),
+                        whole_body_chain(body, measure_xla=False))
     return _CHAINS[key]
 
 

@@ -132,7 +132,8 @@ def test_planning_work_does_not_grow_with_layers():
 
 @pytest.mark.parametrize("option", ["scan:12xnothing|nothing", "scan:12xdots|store/3",
                                     "scan:12x(nothing|nothing)/2/3",
-                                    "scan:5xstore|store+7xnothing|dots_no_batch/7"])
+                                    "scan:5xstore|store+7xnothing|dots_no_batch/7",
+                                    "scan:12x[dots_no_batch]/4"])
 def test_scheme_names_round_trip(option):
     scheme = scan.ScanScheme.parse(option)
     assert scheme.option == option and scheme.length == 12
@@ -191,6 +192,19 @@ def test_flat_and_nested_model(analysis):
     assert nested.recompute_flops == pytest.approx(4 * stack.body_flops + 4 * it.recompute_flops)
 
 
+def test_whole_block_keep_rule_is_jax_policy_on_the_block(analysis):
+    """`[dots_no_batch]` is one checkpoint over the block keeping its dots without batch
+    dims, as nn.remat(block, policy=dots_with_no_batch_dims_saveable) in nn.scan: its
+    recompute is the attention's batched dots, at least the per-sub-stage plan's."""
+    index = scan.find_layer_scan(analysis.program)
+    st = scan.profile_layer_stack(analysis.program, index, measure_xla=False)
+    names = [p.name for p in st.plans]
+    assert "[dots_no_batch]" in names and "[dots]" in names
+    whole, split = st.plan("[dots_no_batch]"), st.plan("dots_no_batch|dots_no_batch")
+    assert 0 < whole.recompute_flops and whole.recompute_flops >= split.recompute_flops * 0.99
+    assert st.plan("[dots]").recompute_flops < whole.recompute_flops
+
+
 # ---------------------------------------------------------------------------------------
 # Exact gradients, XLA peak within budget
 # ---------------------------------------------------------------------------------------
@@ -200,6 +214,7 @@ def test_flat_and_nested_model(analysis):
     "scan:4x(store|nothing)/2",           # sqrt(n): groups of 2, a region per iteration
     "scan:2xdots|store/2+2xnothing|nothing",        # split: a nested part + a flat part
     "scan:4xnothing|nothing/2/2",         # three levels (one group of 2 x 2)
+    "scan:2x[dots_no_batch]+2x[dots]",    # one checkpoint per block under a keep rule
     NOTHING,                              # one checkpoint around the whole scan
 ])
 def test_planned_gradients_are_exact(option, analysis, scanned, real_inputs, reference):
