@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -12,7 +11,7 @@ from remat_planner.models import Workload, register_model
 from remat_planner.models.gpt2 import GPT2, GPT2Config, lm_loss
 from remat_planner.models.layers import (
     Dtype,
-    abstract_params_of,
+    token_lm_workload,
     check_sizes,
     dtype_field,
     jit_init,
@@ -62,30 +61,6 @@ def build_gpt2(settings: GPT2Settings, batch_size: int, seq_len: int) -> Workloa
     model = GPT2(GPT2Config(**settings.model_dump()))
     init_params = jit_init(model, jnp.zeros((1, 1), jnp.int32))
 
-    def synthetic_batch(key: jax.Array) -> tuple[jax.Array]:
-        tokens = jax.random.randint(key, (batch_size, seq_len + 1), 0, settings.vocab_size, dtype=jnp.int32)
-        return (tokens,)
-
-    abstract_params, param_count = abstract_params_of(init_params)
-    return Workload(
-        name=f"gpt2-{settings.n_layer}l-{settings.d_model}d",
-        loss_fn=functools.partial(lm_loss, model),
-        abstract_params=abstract_params,
-        abstract_batch=(jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32),),
-        init_params=init_params,
-        synthetic_batch=synthetic_batch,
-        param_count=param_count,
-        info={
-            "type": "gpt2",
-            "dtype": settings.dtype,
-            "param_dtype": settings.param_dtype,
-            "scan_layers": settings.scan_layers,
-            "batch_size": batch_size,
-            "seq_len": seq_len,
-            "n_layer": settings.n_layer,
-            "n_head": settings.n_head,
-            "d_model": settings.d_model,
-            "vocab_size": settings.vocab_size,
-            "param_count": param_count,
-        },
-    )
+    return token_lm_workload("gpt2", settings, batch_size, seq_len,
+                             functools.partial(lm_loss, model), init_params,
+                             ("n_layer", "n_head", "d_model", "vocab_size"))

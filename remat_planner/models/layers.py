@@ -135,3 +135,41 @@ def abstract_params_of(init_params: Callable[[jax.Array], Any]) -> tuple[Any, in
     """Shape-only params (nothing allocated) and their number of scalars."""
     abstract = jax.eval_shape(init_params, jax.eval_shape(jax.random.key, 0))
     return abstract, sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract))
+
+
+def token_lm_workload(kind: str, settings: Any, batch_size: int, seq_len: int,
+                      loss_fn: Callable, init_params: Callable[[jax.Array], Any],
+                      info_keys: tuple[str, ...], abstract_params: Any = None) -> Any:
+    """The Workload of a language model trained on token batches `(tokens,)`, tokens
+    int32 [batch_size, seq_len + 1] drawn uniformly from the vocabulary.
+
+    kind: the registered type (and name prefix); info_keys: the settings shown in the
+    report after dtype, param_dtype, batch_size and seq_len. abstract_params defaults to
+    the shapes `init_params` produces.
+    """
+    from remat_planner.models import Workload
+
+    def synthetic_batch(key: jax.Array) -> tuple[jax.Array]:
+        return (jax.random.randint(key, (batch_size, seq_len + 1), 0, settings.vocab_size,
+                                   dtype=jnp.int32),)
+
+    if abstract_params is None:
+        abstract_params, param_count = abstract_params_of(init_params)
+    else:
+        param_count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params))
+    info = {"type": kind, "dtype": settings.dtype, "param_dtype": settings.param_dtype}
+    if hasattr(settings, "scan_layers"):
+        info["scan_layers"] = settings.scan_layers
+    info.update(batch_size=batch_size, seq_len=seq_len)
+    info.update({k: getattr(settings, k) for k in info_keys})
+    info["param_count"] = param_count
+    return Workload(
+        name=f"{kind}-{settings.n_layer}l-{settings.d_model}d",
+        loss_fn=loss_fn,
+        abstract_params=abstract_params,
+        abstract_batch=(jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32),),
+        init_params=init_params,
+        synthetic_batch=synthetic_batch,
+        param_count=param_count,
+        info=info,
+    )

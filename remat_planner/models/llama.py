@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from remat_planner.models import Workload, register_model
 from remat_planner.models.layers import (
     Dtype,
-    abstract_params_of,
+    token_lm_workload,
     attention,
     causal_lm_loss,
     check_sizes,
@@ -141,32 +141,7 @@ def build_llama(settings: LlamaSettings, batch_size: int, seq_len: int) -> Workl
     model = Llama(settings)
     init_params = jit_init(model, jnp.zeros((1, 1), jnp.int32))
 
-    def synthetic_batch(key: jax.Array) -> tuple[jax.Array]:
-        tokens = jax.random.randint(key, (batch_size, seq_len + 1), 0, settings.vocab_size, dtype=jnp.int32)
-        return (tokens,)
-
-    abstract_params, param_count = abstract_params_of(init_params)
-    return Workload(
-        name=f"llama-{settings.n_layer}l-{settings.d_model}d",
-        loss_fn=functools.partial(causal_lm_loss, model),
-        abstract_params=abstract_params,
-        abstract_batch=(jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32),),
-        init_params=init_params,
-        synthetic_batch=synthetic_batch,
-        param_count=param_count,
-        info={
-            "type": "llama",
-            "dtype": settings.dtype,
-            "param_dtype": settings.param_dtype,
-            "scan_layers": settings.scan_layers,
-            "batch_size": batch_size,
-            "seq_len": seq_len,
-            "n_layer": settings.n_layer,
-            "d_model": settings.d_model,
-            "n_head": settings.n_head,
-            "n_kv_head": settings.n_kv_head,
-            "ffn_dim": settings.ffn_dim,
-            "vocab_size": settings.vocab_size,
-            "param_count": param_count,
-        },
-    )
+    return token_lm_workload("llama", settings, batch_size, seq_len,
+                             functools.partial(causal_lm_loss, model), init_params,
+                             ("n_layer", "d_model", "n_head", "n_kv_head", "ffn_dim",
+                              "vocab_size"))

@@ -11,7 +11,6 @@ as they do for linen.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Literal
 
 import jax
@@ -19,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from remat_planner.errors import ConfigError
+from remat_planner.models.layers import check_sizes, token_lm_workload
 from remat_planner.models import Workload, register_model
 
 
@@ -144,12 +143,7 @@ def build_nnx_gpt(settings: NNXGPTSettings, batch_size: int, seq_len: int) -> Wo
     Raises:
         ConfigError: If batch_size/seq_len are not positive or seq_len > max_seq_len.
     """
-    if batch_size <= 0 or seq_len <= 0:
-        raise ConfigError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
-    if seq_len > settings.max_seq_len:
-        raise ConfigError(
-            f"field 'seq_len': {seq_len} exceeds model.max_seq_len {settings.max_seq_len}; "
-            "lower seq_len or raise model.max_seq_len")
+    check_sizes(batch_size, seq_len, settings.max_seq_len)
     # Shape-only model: its graphdef is static, its state the abstract params.
     graphdef, abstract_params = nnx.split(nnx.eval_shape(lambda: NNXGPT(settings, nnx.Rngs(0))))
 
@@ -157,29 +151,7 @@ def build_nnx_gpt(settings: NNXGPTSettings, batch_size: int, seq_len: int) -> Wo
     def init_params(key: jax.Array) -> Any:
         return nnx.split(NNXGPT(settings, nnx.Rngs(params=key)))[1]
 
-    def synthetic_batch(key: jax.Array) -> tuple[jax.Array]:
-        return (jax.random.randint(key, (batch_size, seq_len + 1), 0, settings.vocab_size,
-                                   dtype=jnp.int32),)
-
-    param_count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params))
-    return Workload(
-        name=f"nnx-gpt-{settings.n_layer}l-{settings.d_model}d",
-        loss_fn=functools.partial(lm_loss, graphdef),
-        abstract_params=abstract_params,
-        abstract_batch=(jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32),),
-        init_params=init_params,
-        synthetic_batch=synthetic_batch,
-        param_count=param_count,
-        info={
-            "type": "nnx-gpt",
-            "dtype": settings.dtype,
-            "param_dtype": settings.param_dtype,
-            "batch_size": batch_size,
-            "seq_len": seq_len,
-            "n_layer": settings.n_layer,
-            "n_head": settings.n_head,
-            "d_model": settings.d_model,
-            "vocab_size": settings.vocab_size,
-            "param_count": param_count,
-        },
-    )
+    return token_lm_workload("nnx-gpt", settings, batch_size, seq_len,
+                             functools.partial(lm_loss, graphdef), init_params,
+                             ("n_layer", "n_head", "d_model", "vocab_size"),
+                             abstract_params=abstract_params)
