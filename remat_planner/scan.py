@@ -55,7 +55,8 @@ from .trace import Eqn, Literal, Program, _Flattener, eval_range, nbytes
 SCAN_PREFIX = "scan:"
 MIN_SHARE = 0.5         # a layer stack holds at least this share of the step's forward FLOPs
 MAX_SUB_STAGES = 2      # sub-stages of the body (attention | MLP): per-iteration plans over them
-_PART = re.compile(r"^(\d+)x([a-z_|()\[\]]+)((?:/\d+)*)$")
+_PART = re.compile(r"^(\d+)x([a-z_|()\[\];*0-9]+?)((?:/\d+)*)$")
+MAX_LAYERS_PER_ITERATION = 8   # mixed per-layer plans in one iteration (see layer_policies)
 
 
 # ---------------------------------------------------------------------------------------
@@ -77,8 +78,16 @@ class ScanPart:
     groups: tuple[int, ...] = ()
 
     @property
+    def layers_per_iteration(self) -> int:
+        return len(layer_policies(self.policy))
+
+    @property
+    def iterations(self) -> int:
+        return self.count // self.layers_per_iteration
+
+    @property
     def n_groups(self) -> int:
-        return self.count // math.prod(self.groups)
+        return self.iterations // math.prod(self.groups)
 
     def spans(self) -> list[int]:
         """Iterations covered by one item of each checkpointed level, outermost first."""
@@ -113,14 +122,42 @@ class ScanScheme:
                 raise ValueError(f"bad scan scheme part {text!r} in {option!r}")
             groups = tuple(int(k) for k in m.group(3).split("/")[1:])
             part = ScanPart(int(m.group(1)), m.group(2), groups)
-            if part.count < 1 or any(k < 2 for k in groups) or part.count % math.prod(groups):
-                raise ValueError(f"scan scheme part {text!r}: groups must be >= 2 and divide the count")
+            g = part.layers_per_iteration  # raises ValueError if malformed
+            if part.count < 1 or any(k < 2 for k in groups) or part.count % (g * math.prod(groups)):
+                raise ValueError(f"scan scheme part {text!r}: groups must be >= 2 and, times the "
+                                 "layers per iteration, divide the count")
             parts.append(part)
         return cls(tuple(parts))
 
     @property
     def length(self) -> int:
         return sum(p.count for p in self.parts)
+
+
+def layer_policies(policy: str) -> list[str]:
+    """The per-layer plans of one iteration: `a;2*b` runs three layers per iteration of
+    the rebuilt scan (plans a, b, b), so layers can mix plans without splitting the stack
+    (the stacked parameters are reshaped, which is free, not sliced, which copies)."""
+    names = []
+    for item in policy.split(";"):
+        count, star, name = item.partition("*")
+        if not star:
+            count, name = "1", item
+        if not count.isdigit() or int(count) < 1 or not name or "*" in name:
+            raise ValueError(f"bad per-iteration plan {policy!r}")
+        names += [name] * int(count)
+    return names
+
+
+def mixed_name(names: Sequence[str]) -> str:
+    """Inverse of layer_policies: runs of equal plans written `k*plan`, joined by `;`."""
+    runs: list[list] = []
+    for name in names:
+        if runs and runs[-1][1] == name:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, name])
+    return ";".join(name if k == 1 else f"{k}*{name}" for k, name in runs)
 
 
 def is_scan_option(option: str) -> bool:
@@ -558,25 +595,42 @@ class SchemeCost:
     recompute_flops: float
 
 
+def mixed_plan(stack: LayerStack, names: Sequence[str]) -> IterationPlan:
+    """One iteration running len(names) layers with these plans, in order: kept bytes and
+    recompute add up; at layer j's backward the earlier layers' keeps are still held."""
+    plans = [stack.plan(n) for n in names]
+    if len(plans) == 1:
+        return plans[0]
+    before, peak = 0, 0
+    for p in plans:
+        peak = max(peak, before + p.peak_bytes)
+        before += p.keep_bytes
+    return IterationPlan(mixed_name(names), (), before, peak,
+                         sum(p.recompute_flops for p in plans))
+
+
 def part_cost(stack: LayerStack, part: ScanPart) -> SchemeCost:
-    """One scan over `part.count` iterations, parameters not copied.
+    """One scan over `part.count` layers, parameters not copied.
 
     Flat: every iteration keeps what its plan keeps (stacked by the scan), and the peak
     is the last iteration's own on top of the others'. Nested: only each group's input
     carry is kept; in the backward a group is recomputed (its sub-groups' carries, then
     its iterations' keeps, are held while it runs) and its slice of the parameters and
     of their gradients is copied for the inner loop. Each level of nesting recomputes
-    the forward once more.
+    the forward once more. An iteration of g layers (mixed plans) counts as one of a
+    g-times larger body.
     """
-    it = stack.plan(part.policy)
-    m, c, x1 = part.count, stack.carry_bytes, stack.xs_bytes
+    names = layer_policies(part.policy)
+    g = len(names)
+    it = mixed_plan(stack, names)
+    m, c, x1, body_flops = part.iterations, stack.carry_bytes, stack.xs_bytes * g, stack.body_flops * g
     if not part.groups:
         return SchemeCost(m * it.keep_bytes, (m - 1) * it.keep_bytes + it.peak_bytes,
                           m * it.recompute_flops)
     keep = part.n_groups * c
     peak = (keep + sum(part.groups[:-1]) * c + (part.groups[-1] - 1) * it.keep_bytes
             + it.peak_bytes + 2 * x1 * sum(part.spans()))
-    cost = len(part.groups) * m * stack.body_flops + m * it.recompute_flops
+    cost = len(part.groups) * m * body_flops + m * it.recompute_flops
     return SchemeCost(keep, peak, cost)
 
 
@@ -632,6 +686,7 @@ def _frontier_schemes(stack: LayerStack) -> list[tuple[ScanScheme, SchemeCost]]:
     n, x1 = stack.length, stack.xs_bytes
     useful = _useful(stack.plans)
     singles = [ScanScheme((ScanPart(n, p.name, g),)) for p in useful for g in _nestings(n)]
+    singles += _mixed_singles(stack, useful)
     single_costs = [scheme_cost(stack, sch) for sch in singles]
     tables = {m: _parts(stack, useful, m) for m in range(1, n)}
     arrays = {m: np.array([[c.keep_bytes, c.peak_bytes, c.recompute_flops] for _, c in t],
@@ -663,6 +718,29 @@ def _frontier_schemes(stack: LayerStack) -> list[tuple[ScanScheme, SchemeCost]]:
         r = i - owners[j + 1]
         sch = ScanScheme((tables[m_a][ia[r]][0], tables[n - m_a][ib[r]][0]))
         out.append((sch, SchemeCost(int(keep[i]), int(peak[i]), float(cost[i]))))
+    return out
+
+
+def _mixed_singles(stack: LayerStack, useful: Sequence[IterationPlan]) -> list[ScanScheme]:
+    """One scan whose iterations run g layers mixing two per-layer plans (k of one, g-k of
+    the other, either first), flat or grouped, for every g | n up to
+    MAX_LAYERS_PER_ITERATION. Mixing this way costs no parameter copies, unlike a split."""
+    n, out, seen = stack.length, [], set()
+    names = [p.name for p in useful]
+    for g in range(2, min(n, MAX_LAYERS_PER_ITERATION) + 1):
+        if n % g:
+            continue
+        m = n // g
+        groups = [()] + [(k,) for k in range(2, m // 2 + 1) if m % k == 0]
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                for k in range(1, g):
+                    for order in ([a] * k + [b] * (g - k), [b] * (g - k) + [a] * k):
+                        policy = mixed_name(order)
+                        if policy in seen:
+                            continue
+                        seen.add(policy)
+                        out += [ScanScheme((ScanPart(n, policy, gr),)) for gr in groups]
     return out
 
 
@@ -740,19 +818,28 @@ def run_scheme(program: Program, index: int, option: str, env: dict) -> None:
                                 f"scan has {body.length}; re-plan for this model")
     chain, whole = _named_chain(body)
     try:
-        plans = [parse_plan(part.policy, chain, whole=whole) for part in scheme.parts]
+        plans = [[parse_plan(name, chain, whole=whole) for name in layer_policies(part.policy)]
+                 for part in scheme.parts]
     except ValueError as e:
         from .errors import PlanMismatchError
         raise PlanMismatchError(f"{e}; re-plan for this model") from None
     consts, carry, xs = body.split([v.val if isinstance(v, Literal) else env[v]
                                     for v in eqn.invars])
     pos, ys_parts = 0, []
-    for part, segments in zip(scheme.parts, plans):
-        it = body.step(segments)
+    for part, layer_segments in zip(scheme.parts, plans):
         part_xs = xs if part.count == body.length else [
             jax.lax.slice_in_dim(x, pos, pos + part.count) for x in xs]
-        carry, ys = _nested_scan(lambda c, x, _it=it: _it(consts, c, x), carry, part_xs,
-                                 part.groups)
+        its = [body.step(segments) for segments in layer_segments]
+        g = len(its)
+        if g == 1:
+            step = lambda c, x, _it=its[0]: _it(consts, c, x)  # noqa: E731
+        else:
+            # g layers per iteration: the stacked xs are reshaped (free), not sliced.
+            part_xs = [x.reshape((part.count // g, g, *x.shape[1:])) for x in part_xs]
+            step = functools.partial(_mixed_step, its, consts)
+        carry, ys = _nested_scan(step, carry, part_xs, part.groups)
+        if g > 1:
+            ys = [y.reshape((part.count, *y.shape[2:])) for y in ys]
         ys_parts.append(ys)
         pos += part.count
     ys = [p[0] if len(p) == 1 else jnp.concatenate(p, axis=0) for p in zip(*ys_parts)]
@@ -776,6 +863,15 @@ def _named_chain(body: Body) -> tuple[ChainModel, ChainModel | None]:
         _CHAINS[key] = (body_chain(body, measure_xla=False),
                         whole_body_chain(body, measure_xla=False))
     return _CHAINS[key]
+
+
+def _mixed_step(its: Sequence[Callable], consts, carry, x):
+    """One iteration of a mixed scan: layer j of the g runs its[j] on x[j]."""
+    ys_all = []
+    for j, it in enumerate(its):
+        carry, ys = it(consts, carry, [xi[j] for xi in x])
+        ys_all.append(ys)
+    return carry, [jnp.stack(y) for y in zip(*ys_all)]
 
 
 def _nested_scan(it: Callable, carry, xs, groups: tuple[int, ...]):
@@ -890,6 +986,10 @@ def describe(option: str) -> str:
                                  for j in range(len(part.groups) + 1))
             where += (f" as {levels} (each group an nn.remat around an inner nn.scan; only "
                       "group inputs are kept)")
+        g = part.layers_per_iteration
+        if g > 1:
+            where += (f" scanned {g} at a time (nn.scan over a module of {g} blocks, each with "
+                      "its own plan: the stacked parameters reshaped, not copied)")
         texts.append(f"{where}; per layer, sub-stages (attention | MLP for a transformer "
                      f"block): {part.policy}")
     return "; then ".join(texts)

@@ -83,8 +83,9 @@ def test_layer_scan_is_found_and_becomes_one_stage(scanned, analysis):
     assert stage.name == "GPT2/h"
     names = [o.name for o in analysis.chain.stages[k].options]
     assert names[:2] == [STORE, NOTHING] and all(scan.is_scan_option(n) for n in names[2:])
-    # nested (sqrt(n)) schemes and splits in two scans are on offer
-    assert any("/" in n for n in names) and any("+" in n for n in names)
+    # nested (sqrt(n)) schemes and mixed per-layer plans (a split in two scans, or
+    # iterations of several layers; the latter copy no parameters and usually win)
+    assert any("/" in n for n in names) and any("+" in n or ";" in n for n in names)
 
 
 def test_bfloat16_layer_stack_is_found():
@@ -133,14 +134,18 @@ def test_planning_work_does_not_grow_with_layers():
 @pytest.mark.parametrize("option", ["scan:12xnothing|nothing", "scan:12xdots|store/3",
                                     "scan:12x(nothing|nothing)/2/3",
                                     "scan:5xstore|store+7xnothing|dots_no_batch/7",
-                                    "scan:12x[dots_no_batch]/4"])
+                                    "scan:12x[dots_no_batch]/4",
+                                    "scan:12x2*nothing|nothing;dots|store/2",
+                                    "scan:12xstore|store;(nothing|nothing)"])
 def test_scheme_names_round_trip(option):
     scheme = scan.ScanScheme.parse(option)
     assert scheme.option == option and scheme.length == 12
 
 
 @pytest.mark.parametrize("option", ["scan:", "scan:12", "scan:3xnothing/2", "scan:4xnothing/1",
-                                    "scan:4xNothing", "scan:4xnothing+"])
+                                    "scan:4xNothing", "scan:4xnothing+", "scan:4xnothing;",
+                                    "scan:4x0*nothing", "scan:3xnothing;nothing",
+                                    "scan:4xnothing;store/4"])
 def test_bad_scheme_names_are_refused(option):
     with pytest.raises(ValueError):
         scan.ScanScheme.parse(option)
@@ -192,6 +197,27 @@ def test_flat_and_nested_model(analysis):
     assert nested.recompute_flops == pytest.approx(4 * stack.body_flops + 4 * it.recompute_flops)
 
 
+def test_mixed_iteration_model():
+    """`a;2*b`: three layers per iteration; kept bytes and recompute add up, and the peak
+    is the worst layer's backward with the earlier layers' keeps held."""
+    assert scan.layer_policies("a|b;2*c|d") == ["a|b", "c|d", "c|d"]
+    assert scan.mixed_name(["a|b", "c|d", "c|d"]) == "a|b;2*c|d"
+    part = scan.ScanPart(12, "x;2*y", (2,))
+    assert (part.layers_per_iteration, part.iterations, part.n_groups) == (3, 4, 2)
+
+
+def test_mixed_plans_are_in_the_frontier_and_priced_as_their_layers(analysis):
+    index = scan.find_layer_scan(analysis.program)
+    st = scan.profile_layer_stack(analysis.program, index, measure_xla=False)
+    a, b = st.plan("dots|dots_no_batch"), st.plan("nothing|nothing")
+    mixed = scan.part_cost(st, scan.ScanPart(st.length, f"{a.name};{b.name}"))
+    assert mixed.keep_bytes == st.length // 2 * (a.keep_bytes + b.keep_bytes)
+    assert mixed.recompute_flops == pytest.approx(st.length // 2 * (a.recompute_flops
+                                                                     + b.recompute_flops))
+    schemes = {sch.option for sch, _ in scan._frontier_schemes(st)}
+    assert any(";" in o for o in schemes)
+
+
 def test_whole_block_keep_rule_is_jax_policy_on_the_block(analysis):
     """`[dots_no_batch]` is one checkpoint over the block keeping its dots without batch
     dims, as nn.remat(block, policy=dots_with_no_batch_dims_saveable) in nn.scan: its
@@ -215,6 +241,8 @@ def test_whole_block_keep_rule_is_jax_policy_on_the_block(analysis):
     "scan:2xdots|store/2+2xnothing|nothing",        # split: a nested part + a flat part
     "scan:4xnothing|nothing/2/2",         # three levels (one group of 2 x 2)
     "scan:2x[dots_no_batch]+2x[dots]",    # one checkpoint per block under a keep rule
+    "scan:4xdots|store;nothing|nothing",  # two layers per iteration, each its own plan
+    "scan:4xdots|dots_no_batch;store|store/2",  # ... and grouped (sqrt(n) over pairs)
     NOTHING,                              # one checkpoint around the whole scan
 ])
 def test_planned_gradients_are_exact(option, analysis, scanned, real_inputs, reference):
