@@ -14,13 +14,14 @@ from .errors import (BudgetError, ConfigError, InfeasibleBudgetError, PlanMismat
                      RematPlannerError, UnsupportedModelError)
 from .plan import Plan, Segment
 from .planner import Analysis, analyze, measure_builtin_policies, plan
+from .sharding import ShardingSpec, shard_arrays
 from .verify import Measurement, measure, train_step
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Analysis", "BudgetError", "ConfigError", "InfeasibleBudgetError", "Measurement", "Plan",
-    "PlanMismatchError", "RematPlannerError", "Segment", "UnsupportedModelError", "analyze",
-    "format_bytes", "measure", "measure_builtin_policies", "parse_budget", "plan",
-    "train_step",
+    "PlanMismatchError", "RematPlannerError", "Segment", "ShardingSpec", "UnsupportedModelError",
+    "analyze", "format_bytes", "measure", "measure_builtin_policies", "parse_budget", "plan",
+    "shard_arrays", "train_step",
 ]

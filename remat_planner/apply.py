@@ -58,12 +58,34 @@ def apply_plan(plan: Plan, loss_fn: Callable, has_aux: bool | None = None) -> Ca
             programs[key] = (program, last_uses(program), definitions(program))
         program, last, defs = programs[key]
         env = program.bind(leaves)
-        run_segments(program, plan, plan.segments, env, last, defs)
+        pinned = frozenset(plan.metadata.get("pinned", ()))
+        run_segments(program, plan, plan.segments, env, last, defs, pinned,
+                     _gathers(plan, program, params))
         return program.output(env)
 
     planned_loss.__name__ = f"planned_{getattr(loss_fn, '__name__', 'loss')}"
     planned_loss.__doc__ = f"{getattr(loss_fn, '__name__', 'loss_fn')} with remat plan applied."
     return planned_loss
+
+
+def _gathers(plan: Plan, program: Program, params) -> dict:
+    """Under fsdp: parameter value id -> NamedSharding of the all-gathered weight."""
+    meta = plan.metadata.get("sharding")
+    if not meta:
+        return {}
+    from jax.sharding import NamedSharding
+
+    from .sharding import ShardingSpec, gathered_params
+    spec = ShardingSpec.make(meta["mesh"], meta["scheme"])
+    gathered = gathered_params(program, params, spec)
+    if not gathered:
+        return {}
+    mesh = spec.mesh()
+    return {vid: NamedSharding(mesh, g) for vid, (g, _) in gathered.items()}
+
+
+def gather_name(vid: int) -> str:
+    return f"rp:gathered{vid}"
 
 
 def check_matches(plan: Plan, program: Program, params, batch) -> None:
@@ -88,27 +110,63 @@ def _by_key(lines) -> dict[str, str]:
 
 
 def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env: dict,
-                 last: dict, defs: dict) -> None:
-    """Evaluate `segments` in order on `env`, checkpointing the checkpointed ones."""
+                 last: dict, defs: dict, pinned: frozenset[int] = frozenset(),
+                 gathers: dict | None = None) -> None:
+    """Evaluate `segments` in order on `env`, checkpointing the checkpointed ones.
+
+    `pinned` values (outputs of collectives in a sharded step) are tagged wherever they
+    are computed and kept by every checkpoint region containing them, nested or not, so
+    no recomputation repeats their communication. `gathers` (fsdp: parameter id ->
+    sharding of the all-gathered weight): a checkpointed segment all-gathers the
+    parameters it uses once, at its start (`with_sharding_constraint`), and keeps the
+    gathered weights by name, so its recomputation in the backward does not all-gather
+    them again; nested segments receive them gathered."""
+    gathers = gathers or {}
     for seg in segments:
         lo, hi = plan.stages[seg.start].start, plan.stages[seg.stop - 1].stop
         if scan.is_scan_option(seg.option):  # the layer stack, rebuilt as the scheme says
             scan.run_stage(program, lo, hi, seg.option, env)
             continue
+        pins = [v for e in program.eqns[lo:hi] for v in e.outvars if v in pinned]
         if not seg.is_checkpoint:
-            eval_range(program, lo, hi, env)
+            if pins:
+                ins, outs = stage_io(program, lo, hi, last, defs)
+                fn = make_segment_fn(program, lo, hi, ins, outs, tag=pins)
+                env.update(zip(outs, fn(*[env[v] for v in ins])))
+            else:
+                eval_range(program, lo, hi, env)
             continue
         ins, outs = stage_io(program, lo, hi, last, defs)
+        saved = tuple(dict.fromkeys((*seg.saved, *pins)))
         if seg.children:
             def body(*args, _seg=seg, _ins=ins, _outs=outs):
                 inner = dict(zip(_ins, args))
-                run_segments(program, plan, _seg.children, inner, last, defs)
+                run_segments(program, plan, _seg.children, inner, last, defs, pinned, gathers)
                 return [inner[v] for v in _outs]
         else:
-            body = make_segment_fn(program, lo, hi, ins, outs, tag=seg.saved)
-        policy = jax.checkpoint_policies.save_only_these_names(*map(value_name, seg.saved))
+            body = make_segment_fn(program, lo, hi, ins, outs, tag=saved)
+        names = [value_name(v) for v in saved]
+        to_gather = [i for i, v in enumerate(ins) if v in gathers]
+        if to_gather:
+            names += [gather_name(ins[i]) for i in to_gather]
+            body = _gathering(body, ins, to_gather, gathers)
+        policy = jax.checkpoint_policies.save_only_these_names(*names)
         results = jax.checkpoint(body, policy=policy)(*[env[v] for v in ins])
         env.update(zip(outs, results))
+
+
+def _gathering(body: Callable, ins, positions, gathers) -> Callable:
+    """`body` whose parameter arguments at `positions` are all-gathered first (a sharding
+    constraint to the gathered layout; XLA's partitioner emits the all-gather) and named."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    def fn(*args):
+        args = list(args)
+        for i in positions:
+            g = jax.lax.with_sharding_constraint(args[i], gathers[ins[i]])
+            args[i] = checkpoint_name(g, gather_name(ins[i]))
+        return body(*args)
+    return fn
 
 
 # ---------------------------------------------------------------------------------------

@@ -32,6 +32,13 @@ def _parser(prog: str, description: str, example: str) -> argparse.ArgumentParse
                         "activations, e.g. 12GB (10^9) or 11GiB (2^30) or bytes")
     p.add_argument("--batch-size", type=int, help="override the config's batch_size")
     p.add_argument("--seq-len", type=int, help="override the config's seq_len")
+    p.add_argument("--mesh", help="device mesh for a sharded step, e.g. data=4,model=2 "
+                                  "(overrides the config's mesh:); the budget is then per device")
+    p.add_argument("--sharding", help="sharding scheme over the mesh: dp, fsdp, tp or fsdp+tp "
+                                      "(overrides the config's sharding:)")
+    p.add_argument("--cpu-devices", type=int, metavar="N",
+                   help="simulate N devices on the host CPU (compile-time planning of a mesh "
+                        "on a machine without it; sets jax_num_cpu_devices before JAX starts)")
     return p
 
 
@@ -134,9 +141,18 @@ def _check_writable(path: str | None, *, directory: bool = False) -> None:
 def _load(args):
     from .budget import parse_budget
     _check_writable(getattr(args, "out", None), directory=getattr(args, "out_is_dir", False))
-    from .config import build_workload, load_config, make_optimizer
+    if args.cpu_devices is not None:
+        from .errors import ConfigError
+        if args.cpu_devices < 1:
+            raise ConfigError(f"--cpu-devices must be positive, got {args.cpu_devices}")
+        import jax
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    from .config import build_workload, load_config, make_optimizer, sharding_spec
     budget = parse_budget(args.budget)
-    cfg = load_config(args.config, batch_size=args.batch_size, seq_len=args.seq_len)
+    cfg = load_config(args.config, batch_size=args.batch_size, seq_len=args.seq_len,
+                      mesh=args.mesh, sharding=args.sharding)
+    args.spec = sharding_spec(cfg)
     return cfg, build_workload(cfg), make_optimizer(cfg.optimizer), budget
 
 
@@ -150,11 +166,11 @@ def _progress(console, enabled: bool):
     return status, (lambda msg: status.update(f"[{time.perf_counter() - t0:5.1f}s] {msg}"))
 
 
-def _analyze_and_plan(wl, optimizer, budget: int, verify: bool, say):
+def _analyze_and_plan(wl, optimizer, budget: int, verify: bool, say, spec=None):
     """The pipeline on a workload: one analysis (calibrated when verifying), one plan."""
     from . import planner as pl
     an = pl.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, optimizer,
-                    calibrate=verify, progress=say, has_aux=wl.has_aux)
+                    calibrate=verify, progress=say, has_aux=wl.has_aux, sharding=spec)
     plan = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer,
                    verify=verify, analysis=an, progress=say)
     return an, plan
@@ -181,9 +197,9 @@ def _plan(args) -> int:
             loss = builtin_policy_loss(wl.loss_fn, wl.abstract_params, wl.abstract_batch,
                                        policy, wl.has_aux)
             futures[name] = pool.submit(measure, loss, wl.abstract_params, wl.abstract_batch,
-                                        optimizer, wl.has_aux)
+                                        optimizer, wl.has_aux, sharding=args.spec)
     try:
-        an, plan = _analyze_and_plan(wl, optimizer, budget, not args.no_verify, say)
+        an, plan = _analyze_and_plan(wl, optimizer, budget, not args.no_verify, say, args.spec)
         baselines = {}
         if compare:
             baselines["no_remat"] = an.noremat
@@ -218,6 +234,12 @@ def _report(cfg, wl, an, plan, baselines, seconds) -> dict:
     return {
         "config": str(cfg.type),
         "model": {**wl.info, "param_count": wl.param_count},
+        "sharding": (None if an.sharding is None else
+                     {**an.sharding.to_dict(), "devices": an.sharding.n_devices,
+                      "budget_is": "per device",
+                      "collective_outputs_kept": len(an.pinned),
+                      "communication_no_remat": an.noremat.communication if an.noremat else None,
+                      "communication_plan": plan.metadata.get("communication")}),
         "budget_bytes": plan.budget_bytes,
         "fixed": {"params_bytes": an.fixed.params_bytes, "grads_bytes": an.fixed.grads_bytes,
                   "opt_state_bytes": an.fixed.opt_state_bytes,
@@ -263,6 +285,10 @@ def _print_report(report: dict, plan, an) -> None:
     head = Table(title="model", show_header=False)
     for k, v in m.items():
         head.add_row(k, f"{v:,}" if isinstance(v, int) else str(v))
+    sh = report.get("sharding")
+    if sh:
+        head.add_row("sharding", f"{sh['scheme']} on mesh {sh['mesh']} ({sh['devices']} devices); "
+                                 "every figure below is per device")
     console.print(head)
 
     mem = Table(title="step memory", show_header=True)
@@ -301,6 +327,17 @@ def _print_report(report: dict, plan, an) -> None:
                          "yes" if r["measured_peak_bytes"] <= report["budget_bytes"] else "no",
                          "-" if ov is None else f"{100 * ov:.1f}%")
         console.print(cmp_)
+    if sh and sh.get("communication_plan"):
+        comm = Table(title="communication per device (collectives in the compiled step)")
+        for col in ("collective", "no remat", "plan"):
+            comm.add_column(col, justify="right" if col != "collective" else "left")
+        before, after = sh["communication_no_remat"] or {}, sh["communication_plan"]
+        for kind, c in after.items():
+            b = before.get(kind, {"count": 0, "bytes": 0})
+            if c["count"] or b["count"]:
+                comm.add_row(kind, f"{b['count']} x, {fb(b['bytes'])}",
+                             f"{c['count']} x, {fb(c['bytes'])}")
+        console.print(comm)
     console.print(f"done in {report['seconds']:.1f}s")
 
 
@@ -326,7 +363,7 @@ def _explain(args) -> int:
     err = Console(stderr=True)
     status, say = _progress(err, err.is_terminal and not args.json)
     try:
-        an, plan = _analyze_and_plan(wl, optimizer, budget, not args.no_verify, say)
+        an, plan = _analyze_and_plan(wl, optimizer, budget, not args.no_verify, say, args.spec)
         say("explaining")
         ex = explain(an, plan)
         report = {**ex.to_dict(), "flax_names": flax_names(an, plan)}
@@ -398,13 +435,14 @@ def _train(args) -> int:
     console = Console(stderr=True)
     with console.status("planning"):
         plan = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer,
-                       has_aux=wl.has_aux)
+                       has_aux=wl.has_aux, sharding=args.spec)
     console.print(f"plan: XLA peak {plan.measured_peak_bytes:,} bytes <= budget "
                   f"{plan.budget_bytes:,}; predicted recompute {100 * plan.recompute_overhead:.1f}%")
     key = jax.random.key(cfg.seed)
     params = wl.init_params(key)
     opt_state = optimizer.init(params)
-    step = train_step(wl.loss_fn, optimizer, plan, wl.has_aux)
+    step = train_step(wl.loss_fn, optimizer, plan, wl.has_aux, params=wl.abstract_params,
+                      batch=wl.abstract_batch, sharding=args.spec)
     # A fixed pool of synthetic batches, cycled, so the loss has something to go down on.
     pool = [wl.synthetic_batch(jax.random.fold_in(key, i)) for i in range(4)]
     losses = []

@@ -41,6 +41,11 @@ class RunConfig(BaseModel):
     seq_len: int = Field(gt=0, strict=True, description="Tokens per sequence fed to the model.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer settings.")
     seed: int = Field(0, strict=True, description="PRNG seed for params and synthetic batches.")
+    mesh: str | dict[str, int] | None = Field(
+        None, description="Device mesh for a sharded step, e.g. 'data=4,model=2' or "
+                          "{data: 4, model: 2}; the budget is then per device.")
+    sharding: Literal["dp", "fsdp", "tp", "fsdp+tp"] | None = Field(
+        None, description="Sharding scheme over the mesh: dp, fsdp, tp or fsdp+tp.")
     trainable: list[Annotated[str, Field(min_length=1)]] | None = Field(
         None, min_length=1,
         description="Globs over '/'-joined parameter paths (e.g. 'h_11/*'); only matching "
@@ -49,6 +54,19 @@ class RunConfig(BaseModel):
 
     # Where the config came from, so later errors (e.g. in build_workload) can name the file.
     _source: str = PrivateAttr(default="config")
+
+    @field_validator("mesh")
+    @classmethod
+    def _mesh(cls, value):
+        if value is None:
+            return value
+        from remat_planner.sharding import parse_mesh
+        text = value if isinstance(value, str) else ",".join(f"{k}={v}" for k, v in value.items())
+        try:
+            axes = parse_mesh(text)
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
+        return ",".join(f"{a}={n}" for a, n in axes)
 
     @field_validator("type")
     @classmethod
@@ -120,7 +138,8 @@ def _validated_settings(cfg: RunConfig) -> BaseModel:
 
 
 def load_config(
-    path: str | os.PathLike[str], *, batch_size: int | None = None, seq_len: int | None = None
+    path: str | os.PathLike[str], *, batch_size: int | None = None, seq_len: int | None = None,
+    mesh: str | None = None, sharding: str | None = None,
 ) -> RunConfig:
     """Load and validate a YAML run config.
 
@@ -128,6 +147,7 @@ def load_config(
         path: YAML file.
         batch_size: If given, overrides the file's batch_size (validated like it).
         seq_len: If given, overrides the file's seq_len (validated like it).
+        mesh, sharding: If given, override the file's `mesh:` / `sharding:`.
 
     Returns:
         The validated RunConfig, with `model` normalized to the full settings (defaults filled in).
@@ -163,10 +183,19 @@ def load_config(
         data["batch_size"] = batch_size
     if seq_len is not None:
         data["seq_len"] = seq_len
+    if mesh is not None:
+        data["mesh"] = mesh
+    if sharding is not None:
+        data["sharding"] = sharding
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_describe(err, source, RunConfig)) from None
+    if (cfg.mesh is None) != (cfg.sharding is None):
+        missing = "sharding (--sharding dp|fsdp|tp|fsdp+tp)" if cfg.sharding is None \
+            else "mesh (--mesh data=N[,model=M])"
+        raise ConfigError(f"{source}: a sharded step needs both a mesh and a sharding scheme; "
+                          f"missing the {missing}")
     cfg._source = source
     settings = _validated_settings(cfg)
     normalized = cfg.model_copy(update={"model": settings.model_dump()})
@@ -191,6 +220,14 @@ def build_workload(cfg: RunConfig) -> Workload:
         return workload
     except ConfigError as err:
         raise ConfigError(f"{cfg._source}: {err}") from None
+
+
+def sharding_spec(cfg: RunConfig):
+    """The config's mesh and scheme as a sharding.ShardingSpec, or None (one device)."""
+    if cfg.mesh is None:
+        return None
+    from remat_planner.sharding import ShardingSpec
+    return ShardingSpec.make(cfg.mesh, cfg.sharding)
 
 
 def make_optimizer(opt: OptimizerConfig) -> optax.GradientTransformation:

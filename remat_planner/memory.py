@@ -62,8 +62,13 @@ class FixedMemory:
                 + self.aux_bytes)
 
 
-def fixed_memory(params, batch, optimizer=None) -> FixedMemory:
-    """Fixed bytes of the step: params, grads (floating leaves), optimizer state, batch."""
+def fixed_memory(params, batch, optimizer=None, sharding=None) -> FixedMemory:
+    """Fixed bytes of the step: params, grads (floating leaves), optimizer state, batch.
+
+    With `sharding` (a sharding.ShardingSpec) every figure is one device's: each tensor
+    counts its shard (gradients are sharded like their parameters)."""
+    if sharding is not None:
+        return _sharded_fixed_memory(params, batch, optimizer, sharding)
     leaves = jax.tree.leaves(params)
     grads = sum(nbytes(l) for l in leaves
                 if jax.dtypes.issubdtype(l.dtype, np.inexact))
@@ -76,7 +81,24 @@ def fixed_memory(params, batch, optimizer=None) -> FixedMemory:
     return FixedMemory(tree_bytes(params), grads, opt_bytes, tree_bytes(batch), update_temp)
 
 
-def _update_temp_bytes(optimizer, params, opt_state) -> int:
+def _sharded_fixed_memory(params, batch, optimizer, spec) -> FixedMemory:
+    from .sharding import per_device_bytes, step_shardings
+    sh = step_shardings(spec, params, batch, optimizer)
+    p_leaves = jax.tree.leaves(params)
+    s_leaves = jax.tree.leaves(sh.params, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    floating = [(l, s) for l, s in zip(p_leaves, s_leaves)
+                if jax.dtypes.issubdtype(l.dtype, np.inexact)]
+    grads = per_device_bytes([l for l, _ in floating], [s for _, s in floating])
+    opt_bytes = update_temp = 0
+    if optimizer is not None:
+        opt_state = jax.eval_shape(optimizer.init, params)
+        opt_bytes = per_device_bytes(opt_state, sh.opt_state)
+        update_temp = _update_temp_bytes(optimizer, params, opt_state, sh)
+    return FixedMemory(per_device_bytes(params, sh.params), grads, opt_bytes,
+                       per_device_bytes(tuple(batch), sh.batch), update_temp)
+
+
+def _update_temp_bytes(optimizer, params, opt_state, shardings=None) -> int:
     import optax
 
     def update(grads, state, p):
@@ -90,7 +112,11 @@ def _update_temp_bytes(optimizer, params, opt_state) -> int:
     # donated here; XLA warns that it cannot reuse all of them, which is expected.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        compiled = jax.jit(update, donate_argnums=(0, 1, 2)).lower(
+        kw = {}
+        if shardings is not None:  # one device's workspace of the sharded update
+            kw = dict(in_shardings=(shardings.params, shardings.opt_state, shardings.params),
+                      out_shardings=(shardings.params, shardings.opt_state))
+        compiled = jax.jit(update, donate_argnums=(0, 1, 2), **kw).lower(
             grads, opt_state, params).compile(measure_compiler_options())
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
@@ -236,8 +262,12 @@ def _structure_key(program: Program, start: int, stop: int, ins, outs) -> str:
 
 
 def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = True,
-                   progress: Callable[[str], None] | None = None) -> ChainModel:
-    """Measure every stage's keep options, residual bytes and XLA workspace."""
+                   progress: Callable[[str], None] | None = None,
+                   pinned: frozenset[int] = frozenset()) -> ChainModel:
+    """Measure every stage's keep options, residual bytes and XLA workspace.
+
+    `pinned` values (outputs of collectives in a sharded step, sharding.collective_outputs)
+    are kept by every checkpoint option: recomputing them would repeat communication."""
     last, defs = last_uses(program), definitions(program)
     free = program.free
     varying = varying_values(program)
@@ -248,10 +278,13 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
         wrt = differentiated(ins, varying)
         # blocks before the first trainable parameter have no backward: not identical to later ones
         key = _structure_key(program, st.start, st.stop, ins, outs) + str(wrt)
+        local_pins = _local_pins(program, st.start, st.stop, pinned)
+        key += str(local_pins)
         if key not in cache:
             if progress:
                 progress(f"profiling stage {k + 1}/{len(cost.stages)} {st.name}")
-            cache[key] = _profile_one(program, st.start, st.stop, ins, outs, free, wrt, measure_xla)
+            cache[key] = _profile_one(program, st.start, st.stop, ins, outs, free, wrt, measure_xla,
+                                      pinned)
         opts_local, wf, wb, local_names = cache[key]
         # Saved value ids are local to the first stage with this structure: map them over.
         mapping = _value_mapping(program, local_names, st.start, st.stop)
@@ -319,6 +352,14 @@ def cut_overlap(program: Program, cost: CostGraph, last=None, defs=None):
     return tuple(tuple(int(x) for x in row) for row in table)
 
 
+def _local_pins(program: Program, start: int, stop: int, pinned) -> tuple:
+    """Positions (equation, output) of the pinned values defined in [start, stop)."""
+    if not pinned:
+        return ()
+    return tuple((i, j) for i, e in enumerate(program.eqns[start:stop])
+                 for j, v in enumerate(e.outvars) if v in pinned)
+
+
 def _value_mapping(program: Program, ref, start: int, stop: int) -> dict[int, int]:
     """Map value ids defined in the reference stage to the same position in [start, stop)."""
     ref_start, ref_stop = ref
@@ -328,7 +369,7 @@ def _value_mapping(program: Program, ref, start: int, stop: int) -> dict[int, in
     return mapping
 
 
-def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla):
+def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned=frozenset()):
     fn_outs = [v for v in outs if _is_float(program.avals[v])]
     in_avals = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype) for v in ins]
     ct_avals = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype)
@@ -352,9 +393,11 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla):
         closed = jax.make_jaxpr(lambda a, ct: vjp_wrt(f, a, wrt)[1](ct))(in_avals, ct_avals)
         return jaxpr_flops(closed)
 
-    candidates = [(STORE, ()), (NOTHING, ()),
-                  (DOTS_NO_BATCH, _dot_outputs(program, start, stop, True)),
-                  (DOTS, _dot_outputs(program, start, stop, False))]
+    pins = tuple(v for e in program.eqns[start:stop] for v in e.outvars if v in pinned)
+    with_pins = lambda saved: tuple(sorted(set(saved) | set(pins))) if pins else saved
+    candidates = [(STORE, ()), (NOTHING, with_pins(())),
+                  (DOTS_NO_BATCH, with_pins(_dot_outputs(program, start, stop, True))),
+                  (DOTS, with_pins(_dot_outputs(program, start, stop, False)))]
     base = make_segment_fn(program, start, stop, ins, fn_outs)
     base_flops = step_flops(base)
     options, seen_saved = [], set()
@@ -415,6 +458,50 @@ def _xla_workspace(f, in_avals, ct_avals, wrt) -> tuple[int, int]:
     wb = both.lower(in_avals, ct_avals).compile(measure_compiler_options())
     wb = wb.memory_analysis().temp_size_in_bytes
     return int(wb), int(wb)
+
+
+def scale_chain(chain: ChainModel, f: float) -> ChainModel:
+    """Every activation byte count of `chain` times `f`: one device's share when the batch
+    is split over 1/f devices (sharded steps; calibration fits the rest to XLA)."""
+    sc = lambda b: int(round(b * f))
+    stages = []
+    for s in chain.stages:
+        opts = tuple(dataclasses.replace(
+            o, keep_bytes=sc(o.keep_bytes),
+            fwd_temp_bytes=None if o.fwd_temp_bytes is None else sc(o.fwd_temp_bytes),
+            bwd_temp_bytes=None if o.bwd_temp_bytes is None else sc(o.bwd_temp_bytes))
+            for o in s.options)
+        stages.append(dataclasses.replace(s, options=opts, fwd_temp_bytes=sc(s.fwd_temp_bytes),
+                                          bwd_temp_bytes=sc(s.bwd_temp_bytes)))
+    table = lambda t: tuple(tuple(sc(x) for x in row) for row in t)
+    return ChainModel(tuple(stages), tuple(sc(b) for b in chain.boundary),
+                      table(chain.overlap), table(chain.inputs))
+
+
+def with_gathered_weights(chain: ChainModel, program: Program, cost: CostGraph,
+                          gathered: dict[int, int]) -> ChainModel:
+    """Under fsdp a checkpointed segment keeps the all-gathered weights it uses (apply
+    gathers them once and keeps them, so the backward does not all-gather again):
+    `gathered` is parameter id -> one device's bytes of the gathered weight. Each stage's
+    checkpoint options keep its weights' bytes, and a region over stages [a, b) keeps
+    those of all its stages on top of its inputs (a nested child inside it then counts
+    them again: conservative)."""
+    if not gathered:
+        return chain
+    per_stage = []
+    for st in cost.stages:
+        used = {v for e in program.eqns[st.start:st.stop] for v in e.invars
+                if isinstance(v, int) and v in gathered}
+        per_stage.append(sum(gathered[v] for v in used))
+    stages = tuple(dataclasses.replace(s, options=tuple(
+        o if o.name == STORE else dataclasses.replace(o, keep_bytes=o.keep_bytes + g)
+        for o in s.options)) for s, g in zip(chain.stages, per_stage))
+    n = chain.n
+    prefix = np.concatenate([[0], np.cumsum(per_stage)])
+    inputs = tuple(tuple(int(chain.region_input_bytes(a, b) + prefix[b] - prefix[a])
+                         if 0 <= a < b <= n else 0 for b in range(n + 1))
+                   for a in range(n + 1))
+    return dataclasses.replace(chain, stages=stages, inputs=inputs)
 
 
 # ---------------------------------------------------------------------------------------

@@ -18,7 +18,11 @@ from .apply import builtin_policy_loss, input_signature
 from .budget import parse_budget
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph, build_cost_graph
-from .memory import ChainModel, FixedMemory, fixed_memory, profile_stages, simulate
+from .errors import UnsupportedModelError
+from .memory import (ChainModel, FixedMemory, fixed_memory, profile_stages, scale_chain,
+                     simulate, with_gathered_weights)
+from .sharding import ShardingSpec, collective_outputs, gathered_params
+from .sharding import resolve as resolve_sharding
 from .plan import NOTHING, STORE, Plan, Segment, StageInfo
 from .solve import ChainSolver
 from .trace import Program, trace
@@ -44,6 +48,10 @@ class Analysis:
     calibration_bytes: int = 0
     residual_scale: float = 1.0   # fitted scale on `store` residual bytes (see _calibrate)
     workspace_scale: float = 1.0  # fitted scale on stage workspaces (see _calibrate)
+    # Sharded step (sharding.ShardingSpec): every byte figure is one device's; `pinned`
+    # are the values produced by collectives, kept by every checkpoint.
+    sharding: "ShardingSpec | None" = None
+    pinned: frozenset = frozenset()
 
     @property
     def noremat_predicted_peak(self) -> int:
@@ -65,7 +73,7 @@ class Analysis:
 
 def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bool = True,
             calibrate: bool = True, progress: Progress | None = None,
-            has_aux: bool = False) -> Analysis:
+            has_aux: bool = False, mesh=None, sharding=None) -> Analysis:
     """Trace, build the cost graph and profile every stage (nothing allocated).
 
     With `calibrate`, two whole steps are compiled (without remat, and with every stage
@@ -74,34 +82,53 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
     instead and the two compile side by side (_calibrate_scan).
     With `has_aux`, loss_fn returns `(loss, aux)`; aux (e.g. new batch statistics) is
     returned by the step and counted with fixed memory.
+    With `mesh` and `sharding` (e.g. "data=4,model=2" and "fsdp"; see sharding.py) the
+    step is the SPMD step on that mesh and every figure is per device: fixed memory is
+    each tensor's shard, activations are divided by the batch split, and the
+    calibration compiles are the sharded step's.
     """
+    spec = resolve_sharding(mesh, sharding)
     batch = as_batch(batch)
     say = progress or (lambda msg: None)
+    if spec is not None:
+        spec.mesh()  # the device count must match before anything else
     say("tracing")
     program = trace(loss_fn, params, *batch, has_aux=has_aux)
     cost = build_cost_graph(program)
     say(f"{len(program.eqns)} equations, {len(cost.stages)} stages")
-    fixed = fixed_memory(params, batch, optimizer)
+    fixed = fixed_memory(params, batch, optimizer, sharding=spec)
+    pinned = collective_outputs(program, params, spec)
     if has_aux:
         fixed = dataclasses.replace(fixed, aux_bytes=sum(program.nbytes(v)
                                                          for v in program.aux_outputs))
     scanned = scan.profile_chain(program, cost, measure_xla=measure_xla, progress=say)
+    if scanned is not None and spec is not None:
+        raise UnsupportedModelError(
+            "sharded steps of a scan-over-layers model are not planned yet; set "
+            "`scan_layers: false` in the model config (unrolled layers shard fine)")
     if scanned is not None:  # the layers are one scan: a stage whose options are scan schemes
         cost, chain = scanned.cost, scanned.chain
     else:
-        chain = profile_stages(program, cost, measure_xla=measure_xla, progress=say)
+        chain = profile_stages(program, cost, measure_xla=measure_xla, progress=say,
+                               pinned=pinned)
+        if spec is not None:  # one device's share of the batch (calibration fits the rest)
+            chain = scale_chain(chain, 1.0 / spec.data_size)
+            gathered = {v: b for v, (_, b) in gathered_params(program, params, spec).items()}
+            chain = with_gathered_weights(chain, program, cost, gathered)
     store_all = [Segment(i, i + 1, STORE) for i in range(chain.n)]
     noremat_peak, _ = simulate(chain, store_all)
     # forward + backward of the unplanned step: backward ~ 2x forward for dots
     step_flops = 3.0 * cost.total_flops
-    an = Analysis(program, cost, chain, fixed, noremat_peak, step_flops)
+    an = Analysis(program, cost, chain, fixed, noremat_peak, step_flops, sharding=spec,
+                  pinned=pinned)
     if calibrate and scanned is not None:
         an = _calibrate_scan(an, scanned, loss_fn, params, batch, optimizer, say)
     elif calibrate:
         say("measuring the step without remat (calibration)")
-        noremat = measure(loss_fn, params, batch, optimizer, has_aux)
-        an = _calibrate(dataclasses.replace(an, noremat=noremat,
-                                            step_flops=noremat.flops or step_flops),
+        noremat = measure(loss_fn, params, batch, optimizer, has_aux, sharding=spec)
+        # Sharded: XLA's FLOPs are one device's; the model's stay global (recompute too).
+        flops = step_flops if spec is not None else (noremat.flops or step_flops)
+        an = _calibrate(dataclasses.replace(an, noremat=noremat, step_flops=flops),
                         loss_fn, params, batch, optimizer, say)
     return an
 
@@ -191,7 +218,7 @@ def _calibrate(an: Analysis, loss_fn, params, batch, optimizer, say) -> Analysis
     say("measuring the step with every stage but the last checkpointed (calibration)")
     ckpt_plan = _plan_from_segments(an, ckpt_all, 0, 0, params, batch)
     ckpt_measured = measure(ckpt_plan.apply(loss_fn), params, batch, optimizer,
-                            an.program.has_aux).peak_bytes
+                            an.program.has_aux, sharding=an.sharding).peak_bytes
 
     def total(chain, segments):
         act, _ = simulate(chain, segments)
@@ -212,7 +239,8 @@ def _calibrate(an: Analysis, loss_fn, params, batch, optimizer, say) -> Analysis
 
 def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bool = True,
          max_rounds: int = 4, progress: Progress | None = None,
-         analysis: Analysis | None = None, has_aux: bool = False) -> Plan:
+         analysis: Analysis | None = None, has_aux: bool = False, mesh=None,
+         sharding=None) -> Plan:
     """Plan rematerialization of `loss_fn`'s training step to fit `budget`.
 
     Args:
@@ -226,6 +254,10 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
       analysis: a reusable `analyze(...)` of the same step (it decides has_aux then).
       has_aux: loss_fn returns `(loss, aux)` (e.g. new BatchNorm statistics); gradients
         are of the loss, aux is returned by the step and the planned loss.
+      mesh, sharding: plan the SPMD step on a device mesh, e.g. mesh="data=4,model=2"
+        (or {"data": 4, "model": 2}, or a jax.sharding.Mesh) and sharding="fsdp" (dp,
+        fsdp, tp, fsdp+tp; see remat_planner/sharding.py). `budget` is then per device,
+        and XLA's per-device peak of the compiled SPMD step is the check.
     Returns:
       A Plan with predicted (and, if verified, measured) peak and recompute FLOPs.
     Raises:
@@ -235,7 +267,8 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     batch = as_batch(batch)
     say = progress or (lambda msg: None)
     an = analysis or analyze(loss_fn, params, batch, optimizer, calibrate=verify, progress=say,
-                             has_aux=has_aux)
+                             has_aux=has_aux, mesh=mesh, sharding=sharding)
+    spec = an.sharding
     has_aux = an.program.has_aux
     overhead = an.fixed.total + an.calibration_bytes
     solver = ChainSolver(an.chain, max(an.noremat_activation_bytes, budget_bytes - overhead, 1))
@@ -267,7 +300,9 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     for round_ in range(max_rounds):
         p = _make_plan(an, solution, budget_bytes, params, batch, correction)
         say(f"verifying with XLA (round {round_ + 1})")
-        m = measure(p.apply(loss_fn), params, batch, optimizer, has_aux)
+        m = measure(p.apply(loss_fn), params, batch, optimizer, has_aux, sharding=spec)
+        if m.communication is not None:
+            p = dataclasses.replace(p, metadata={**p.metadata, "communication": m.communication})
         lowest_peak = m.peak_bytes if lowest_peak is None else min(lowest_peak, m.peak_bytes)
         p = dataclasses.replace(p, measured_peak_bytes=m.peak_bytes, measured_flops=m.flops,
                                 metadata={**p.metadata, "verify_rounds": round_ + 1})
@@ -372,7 +407,9 @@ def _plan_from_segments(an: Analysis, segments, budget_bytes: int, predicted: in
         step_flops=float(an.step_flops),
         metadata={"signature": input_signature(params, batch, an.program),
                   "jax_version": jax.__version__,
-                  **({"has_aux": True} if an.program.has_aux else {})},
+                  **({"has_aux": True} if an.program.has_aux else {}),
+                  **({"sharding": an.sharding.to_dict(), "pinned": sorted(an.pinned)}
+                     if an.sharding is not None else {})},
     )
 
 
@@ -388,14 +425,17 @@ BUILTIN_POLICIES = {
 
 def measure_builtin_policies(loss_fn: Callable, params, batch, optimizer=None,
                              progress: Progress | None = None,
-                             has_aux: bool = False) -> dict[str, Measurement]:
-    """XLA peak and FLOPs of the step without remat and with each built-in policy per block."""
+                             has_aux: bool = False, mesh=None,
+                             sharding=None) -> dict[str, Measurement]:
+    """XLA peak and FLOPs of the step without remat and with each built-in policy per block
+    (per device, with `mesh` and `sharding`)."""
+    spec = resolve_sharding(mesh, sharding)
     say = progress or (lambda msg: None)
     out = {}
     say("measuring: no remat")
-    out["no_remat"] = measure(loss_fn, params, batch, optimizer, has_aux)
+    out["no_remat"] = measure(loss_fn, params, batch, optimizer, has_aux, sharding=spec)
     for name, policy in BUILTIN_POLICIES.items():
         say(f"measuring: {name} per block")
         out[name] = measure(builtin_policy_loss(loss_fn, params, as_batch(batch), policy, has_aux),
-                            params, batch, optimizer, has_aux)
+                            params, batch, optimizer, has_aux, sharding=spec)
     return out

@@ -34,6 +34,9 @@ class Measurement:
     alias_bytes: int
     temp_bytes: int
     compile_seconds: float
+    # Sharded steps: collectives in the compiled program, {kind: {"count", "bytes"}}
+    # (sharding.communication); None for a single-device step.
+    communication: dict | None = None
 
 
 def as_batch(batch) -> tuple:
@@ -66,21 +69,42 @@ def make_step(loss_fn: Callable, optimizer=None, has_aux: bool = False) -> Calla
     return step
 
 
-def measure(loss_fn: Callable, params, batch, optimizer=None, has_aux: bool = False) -> Measurement:
+def jit_kwargs(sharding, params, batch, optimizer=None, has_aux: bool = False) -> dict:
+    """`in_shardings` / `out_shardings` for jitting the step under a sharding.ShardingSpec
+    (params, optimizer state and batch as the scheme says, the loss replicated, aux left
+    to XLA); {} without one."""
+    if sharding is None:
+        return {}
+    from .sharding import step_shardings
+    sh = step_shardings(sharding, params, batch, optimizer)
+    aux = (None,) if has_aux else ()
+    if optimizer is None:
+        return dict(in_shardings=(sh.params, sh.batch),
+                    out_shardings=(sh.params, None) if has_aux else sh.params)
+    return dict(in_shardings=(sh.params, sh.opt_state, sh.batch),
+                out_shardings=(sh.params, sh.opt_state, sh.replicated, *aux))
+
+
+def measure(loss_fn: Callable, params, batch, optimizer=None, has_aux: bool = False,
+            sharding=None) -> Measurement:
     """Compile the training step of `loss_fn` on abstract shapes and read XLA's peak/FLOPs.
 
     With `optimizer`, the step is value_and_grad + update with params and optimizer state
     donated; without, it is jax.grad(loss_fn). With `has_aux` loss_fn returns
-    `(loss, aux)` and the step returns aux too (it counts as output).
+    `(loss, aux)` and the step returns aux too (it counts as output). With `sharding`
+    (a sharding.ShardingSpec) the step is jitted with its in/out shardings on the mesh and
+    every figure is one device's (XLA compiles one SPMD program per device), and the
+    collectives of the compiled program are counted.
     """
     batch = abstract(as_batch(batch))
     params = abstract(params)
     step = make_step(loss_fn, optimizer, has_aux)
+    kw = jit_kwargs(sharding, params, batch, optimizer, has_aux)
     if optimizer is None:
-        traced = jax.jit(step).trace(params, batch)
+        traced = jax.jit(step, **kw).trace(params, batch)
     else:
         opt_state = jax.eval_shape(optimizer.init, params)
-        traced = jax.jit(step, donate_argnums=(0, 1)).trace(params, opt_state, batch)
+        traced = jax.jit(step, donate_argnums=(0, 1), **kw).trace(params, opt_state, batch)
     lowered = traced.lower()
     t0 = time.perf_counter()
     compiled = lowered.compile(measure_compiler_options())
@@ -96,9 +120,13 @@ def measure(loss_fn: Callable, params, batch, optimizer=None, has_aux: bool = Fa
         # XLA's cost analysis counts a loop body once whatever its trip count; the
         # analytic count multiplies a scan body by its length.
         flops = jaxpr_flops(traced.jaxpr)
+    comm = None
+    if sharding is not None:
+        from .sharding import communication
+        comm = communication(compiled.as_text()).to_dict()
     return Measurement(int(peak), flops, int(ma.argument_size_in_bytes),
                        int(ma.output_size_in_bytes), int(ma.alias_size_in_bytes),
-                       int(ma.temp_size_in_bytes), seconds)
+                       int(ma.temp_size_in_bytes), seconds, comm)
 
 
 def _has_scan(jaxpr) -> bool:
@@ -111,14 +139,31 @@ def _has_scan(jaxpr) -> bool:
     return False
 
 
-def train_step(loss_fn: Callable, optimizer, plan=None, has_aux: bool = False) -> Callable:
+def train_step(loss_fn: Callable, optimizer, plan=None, has_aux: bool = False, *,
+               params=None, batch=None, mesh=None, sharding=None) -> Callable:
     """Jitted (params, opt_state, batch) -> (params, opt_state, loss) following `plan`;
     with `has_aux` (loss_fn returns `(loss, aux)`), -> (params, opt_state, loss, aux).
 
     `batch` is the tuple of loss_fn's batch arguments. Params and optimizer state are
-    donated.
+    donated. A sharded step (`mesh=` and `sharding=`, or a plan made with them) is jitted
+    with the scheme's in/out shardings; it needs `params` and `batch` (arrays or
+    ShapeDtypeStructs) to build them, and arguments are resharded to them by jit if they
+    are not placed so already (place them with `rp.shard_arrays` to avoid the copy).
     """
+    from .sharding import ShardingSpec, resolve
+    spec = resolve(mesh, sharding)
+    if spec is None and plan is not None and plan.metadata.get("sharding"):
+        d = plan.metadata["sharding"]
+        spec = ShardingSpec.make(d["mesh"], d["scheme"])
     planned = plan.apply(loss_fn, has_aux) if plan is not None else loss_fn
     step = make_step(planned, optimizer, has_aux)
+    kw = {}
+    if spec is not None:
+        if params is None or batch is None:
+            from .errors import ConfigError
+            raise ConfigError("a sharded train_step needs params= and batch= (shapes suffice) "
+                              "to build its shardings")
+        kw = jit_kwargs(spec, abstract(params), abstract(as_batch(batch)), optimizer, has_aux)
+        kw["in_shardings"] = (*kw["in_shardings"][:2], tuple(kw["in_shardings"][2]))
     return jax.jit(lambda p, s, b: step(p, s, as_batch(b)), donate_argnums=(0, 1),
-                   compiler_options=compiler_options())
+                   compiler_options=compiler_options(), **kw)

@@ -1,0 +1,425 @@
+"""Sharded training steps: a device mesh and a sharding scheme, per-device memory.
+
+The distributed engine is JAX's own SPMD machinery: a `jax.sharding.Mesh`,
+`NamedSharding` / `PartitionSpec` on params, optimizer state and batch, and `jax.jit`
+with `in_shardings` / `out_shardings`; XLA's SPMD partitioner inserts the collectives.
+Nothing here moves data by hand.
+
+Schemes (`--sharding`):
+
+- `dp`: parameters and optimizer state replicated; the batch split over every mesh axis.
+- `fsdp`: as dp, and every parameter (with its gradient and optimizer state) split over
+  every mesh axis along its largest divisible dimension (ZeRO-3); XLA all-gathers
+  weights where they are used and reduce-scatters gradients.
+- `tp`: Megatron-style tensor parallelism over the axis named `model`: column-parallel
+  kernels split on their output dimension, row-parallel ones (`o_proj`, `down_proj`,
+  `c_proj`, `out`, ...) on their input dimension, embeddings on the vocabulary; the batch
+  split over the other axes (data parallel).
+- `fsdp+tp`: tp over `model`, and fsdp over the other axes on a remaining dimension.
+
+The budget is per device: every byte count here is one device's shard
+(`NamedSharding.shard_shape`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .errors import ConfigError
+
+SCHEMES = ("dp", "fsdp", "tp", "fsdp+tp")
+MODEL_AXIS = "model"
+_AXIS_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Kernels whose input dimension is split under tp (their output is a partial sum that
+# XLA all-reduces): attention output and MLP down projections of the sample models.
+_ROW_PARALLEL = re.compile(r"(^|/)(o_proj|out_proj|down_proj|c_proj|proj_out|out|wo|fc2|"
+                           r"output|mlp_out|attn_out)(/|$)")
+
+
+def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
+    """`"data=4,model=2"` -> `(("data", 4), ("model", 2))`; ConfigError on anything else."""
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError(f"bad mesh {text!r}: expected axis=size pairs such as 'data=4,model=2'")
+    axes: list[tuple[str, int]] = []
+    for part in text.split(","):
+        name, eq, size = (s.strip() for s in part.partition("="))
+        if not eq or not _AXIS_RE.match(name) or not size:
+            raise ConfigError(f"bad mesh {text!r}: {part.strip()!r} is not axis=size "
+                              "(e.g. 'data=4,model=2')")
+        try:
+            n = int(size)
+        except ValueError:
+            raise ConfigError(f"bad mesh {text!r}: size {size!r} of axis {name!r} is not an "
+                              "integer") from None
+        if n < 1:
+            raise ConfigError(f"bad mesh {text!r}: size of axis {name!r} must be positive, "
+                              f"got {n}")
+        if name in (a for a, _ in axes):
+            raise ConfigError(f"bad mesh {text!r}: axis {name!r} appears twice")
+        axes.append((name, n))
+    return tuple(axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingSpec:
+    """A mesh shape and a scheme; resolved against the devices by `mesh()`."""
+
+    axes: tuple[tuple[str, int], ...]
+    scheme: str
+
+    def __post_init__(self):
+        if self.scheme not in SCHEMES:
+            raise ConfigError(f"unknown sharding scheme {self.scheme!r}; known: "
+                              f"{', '.join(SCHEMES)}")
+        names = [a for a, _ in self.axes]
+        if "tp" in self.scheme and MODEL_AXIS not in names:
+            raise ConfigError(f"sharding {self.scheme!r} splits tensors over a mesh axis named "
+                              f"'{MODEL_AXIS}'; the mesh has {', '.join(names)} "
+                              f"(e.g. --mesh data=4,model=2)")
+        if self.scheme == "fsdp+tp" and len(names) < 2:
+            raise ConfigError("sharding 'fsdp+tp' needs a data axis besides 'model' "
+                              "(e.g. --mesh data=4,model=2)")
+
+    @classmethod
+    def make(cls, mesh, scheme: str) -> "ShardingSpec":
+        """From a mesh string ("data=4,model=2"), a mapping {axis: size} or a jax Mesh."""
+        if isinstance(mesh, Mesh):
+            axes = tuple((str(a), int(s)) for a, s in mesh.shape.items())
+        elif isinstance(mesh, dict):
+            axes = parse_mesh(",".join(f"{k}={v}" for k, v in mesh.items()))
+        else:
+            axes = parse_mesh(mesh)
+        return cls(axes, str(scheme))
+
+    @property
+    def n_devices(self) -> int:
+        return math.prod(s for _, s in self.axes)
+
+    @property
+    def model_axis(self) -> str | None:
+        return MODEL_AXIS if "tp" in self.scheme else None
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """Axes the batch is split over: all of them but the tensor-parallel one."""
+        return tuple(a for a, _ in self.axes if a != self.model_axis)
+
+    @property
+    def data_size(self) -> int:
+        return math.prod(s for a, s in self.axes if a in self.data_axes)
+
+    @property
+    def model_size(self) -> int:
+        return dict(self.axes).get(self.model_axis, 1) if self.model_axis else 1
+
+    @property
+    def label(self) -> str:
+        return f"{self.scheme} on {','.join(f'{a}={s}' for a, s in self.axes)}"
+
+    def mesh(self) -> Mesh:
+        devices = jax.devices()
+        if self.n_devices != len(devices):
+            raise ConfigError(
+                f"mesh {','.join(f'{a}={s}' for a, s in self.axes)} needs {self.n_devices} "
+                f"devices but JAX sees {len(devices)} ({devices[0].platform}); on CPU set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={self.n_devices} "
+                "before starting")
+        return Mesh(np.asarray(devices).reshape([s for _, s in self.axes]),
+                    tuple(a for a, _ in self.axes))
+
+    def to_dict(self) -> dict:
+        return {"mesh": ",".join(f"{a}={s}" for a, s in self.axes), "scheme": self.scheme}
+
+
+def resolve(mesh, sharding) -> ShardingSpec | None:
+    """The API's `mesh=` / `sharding=` arguments as a ShardingSpec (None: unsharded)."""
+    if isinstance(sharding, ShardingSpec):
+        return sharding
+    if mesh is None and sharding is None:
+        return None
+    if mesh is None or sharding is None:
+        raise ConfigError("give both a mesh and a sharding scheme (e.g. mesh='data=8', "
+                          "sharding='fsdp'), or neither")
+    return ShardingSpec.make(mesh, sharding)
+
+
+# ---------------------------------------------------------------------------------------
+# Partition specs
+# ---------------------------------------------------------------------------------------
+
+def _path_str(path) -> str:
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _tp_dim(path: str, shape) -> int | None:
+    """Which dimension of a parameter tensor parallelism splits, or None (replicated).
+    Kernels (ndim >= 2, the last two dims are in/out): row-parallel ones on the input
+    dim, the others on the output dim; embeddings (`embedding`) on the vocabulary (the
+    first of the last two dims); vectors (norm scales, biases) replicated."""
+    if len(shape) < 2:
+        return None
+    leaf = path.rsplit("/", 1)[-1]
+    if leaf == "embedding":
+        return len(shape) - 2
+    if _ROW_PARALLEL.search(path.rsplit("/", 1)[0]):
+        return len(shape) - 2
+    return len(shape) - 1
+
+
+def param_spec(path: str, shape, spec: ShardingSpec) -> P:
+    """PartitionSpec of one parameter under `spec` (see the module docstring)."""
+    dims: list[Any] = [None] * len(shape)
+    if spec.model_axis is not None:
+        d = _tp_dim(path, shape)
+        if d is not None:
+            if shape[d] % spec.model_size:
+                raise ConfigError(
+                    f"parameter {path} {list(shape)}: dimension {d} ({shape[d]}) is not "
+                    f"divisible by mesh axis '{MODEL_AXIS}' ({spec.model_size}); choose a "
+                    f"model axis size that divides it")
+            dims[d] = MODEL_AXIS
+    if spec.scheme in ("fsdp", "fsdp+tp"):
+        n = spec.data_size
+        free = [i for i in range(len(shape)) if dims[i] is None and shape[i] % n == 0
+                and shape[i] >= n]
+        if free and n > 1:
+            # the largest divisible dimension; ties go to the later one (a kernel's output)
+            d = max(free, key=lambda i: (shape[i], i))
+            axes = spec.data_axes
+            dims[d] = axes[0] if len(axes) == 1 else axes
+        # a parameter with no divisible dimension (a small vector) stays replicated
+    return P(*dims)
+
+
+def param_specs(params, spec: ShardingSpec):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: param_spec(_path_str(path), np.shape(x), spec), params)
+
+
+def batch_specs(batch, spec: ShardingSpec):
+    """Every batch leaf split on its first (batch) dimension over the data axes."""
+    axes = spec.data_axes
+    n = spec.data_size
+
+    def one(path, x):
+        shape = np.shape(x)
+        if not shape or n == 1:
+            return P()
+        if shape[0] % n:
+            where = f"batch[{path[0].idx}]" if path and hasattr(path[0], "idx") else "batch"
+            raise ConfigError(
+                f"{where} {list(shape)}: batch dimension {shape[0]} is not divisible by the "
+                f"data axes {'x'.join(axes)} ({n} devices); use a batch size that is a "
+                f"multiple of {n} (--batch-size)")
+        return P(axes[0] if len(axes) == 1 else axes)
+    return jax.tree_util.tree_map_with_path(one, tuple(batch))
+
+
+def opt_state_specs(optimizer, opt_state, p_specs):
+    """The optimizer state follows its parameters (optax.tree_map_params); counters and
+    other non-parameter leaves are replicated."""
+    import optax
+    return optax.tree_map_params(optimizer, lambda _, s: s, opt_state, p_specs,
+                                 transform_non_params=lambda _: P(),
+                                 is_leaf=lambda x: isinstance(x, P))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShardings:
+    """NamedShardings of one step's arguments on a concrete mesh."""
+
+    mesh: Mesh
+    params: Any
+    batch: Any
+    opt_state: Any = None
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+
+def step_shardings(spec: ShardingSpec, params, batch, optimizer=None) -> StepShardings:
+    mesh = spec.mesh()
+    named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree,
+                                      is_leaf=lambda x: isinstance(x, P))
+    p_specs = param_specs(params, spec)
+    opt = None
+    if optimizer is not None:
+        opt_state = jax.eval_shape(optimizer.init, params)
+        opt = named(opt_state_specs(optimizer, opt_state, p_specs))
+    return StepShardings(mesh, named(p_specs), named(batch_specs(batch, spec)), opt)
+
+
+def per_device_bytes(tree, shardings) -> int:
+    """Bytes of one device's shards of `tree` (leaves: arrays or ShapeDtypeStructs)."""
+    from .trace import nbytes
+    total = 0
+    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(
+            shardings, is_leaf=lambda v: isinstance(v, NamedSharding))):
+        shard = s.shard_shape(tuple(np.shape(x)))
+        total += nbytes(jax.ShapeDtypeStruct(shard, x.dtype))
+    return int(total)
+
+
+# ---------------------------------------------------------------------------------------
+# Communication in a compiled step
+# ---------------------------------------------------------------------------------------
+
+_COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
+                "collective-permute")
+_HLO_LINE = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-gather|reduce-scatter|all-reduce|all-to-all|"
+                       r"collective-permute)(-start)?\(")
+_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64)\[([0-9,]*)\]")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
+             "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+@dataclasses.dataclass(frozen=True)
+class Communication:
+    """Collectives in one device's compiled program: count and result bytes per kind.
+
+    Bytes are the per-device result sizes of the collective instructions as they appear
+    in the optimized HLO (a collective inside a loop body is counted once, not once per
+    iteration)."""
+
+    counts: dict
+    bytes: dict
+
+    @property
+    def total_bytes(self) -> int:
+        return int(sum(self.bytes.values()))
+
+    def to_dict(self) -> dict:
+        return {k: {"count": self.counts[k], "bytes": self.bytes[k]} for k in self.counts}
+
+
+def communication(hlo_text: str) -> Communication:
+    counts = {k: 0 for k in _COLLECTIVES}
+    sizes = {k: 0 for k in _COLLECTIVES}
+    for line in hlo_text.splitlines():
+        m = _HLO_LINE.search(line)
+        if not m:
+            continue
+        kind = m.group(2)
+        counts[kind] += 1
+        for dt, dims in _SHAPE.findall(m.group(1)):
+            n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+            sizes[kind] += n * _ITEMSIZE[dt]
+    return Communication(counts, sizes)
+
+
+# ---------------------------------------------------------------------------------------
+# Values produced by collectives (never recomputed)
+# ---------------------------------------------------------------------------------------
+
+# Shape-preserving unary ops through which a parameter keeps its sharding.
+_PASS_THROUGH = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision",
+                           "stop_gradient"})
+
+
+def collective_outputs(program, params, spec: ShardingSpec) -> frozenset[int]:
+    """Program values that XLA's SPMD partitioner produces with a collective over the
+    tensor-parallel axis: outputs of `dot_general` contracting a parameter dimension split
+    over `model` (row-parallel: a partial sum, all-reduced) and of `gather` from a
+    parameter split over `model` on the gathered dimension (the embedding lookup,
+    all-reduced). The planner keeps these in every checkpoint (apply tags them, profiling
+    counts them): recomputing them would repeat the all-reduce.
+
+    Empty without tensor parallelism: under dp/fsdp the only collectives are the weight
+    all-gathers (of parameters, not of program values) and the gradient reductions
+    (after the backward); see docs/guide.md for what remat does to the all-gathers."""
+    if spec is None or spec.model_axis is None:
+        return frozenset()
+    specs = jax.tree.leaves(param_specs(params, spec), is_leaf=lambda x: isinstance(x, P))
+    origin: dict[int, P] = {}
+    for vid, s in zip(program.invars[:program.n_param_leaves], specs):
+        origin[vid] = s
+
+    def split_dims(v) -> set[int]:
+        s = origin.get(v) if isinstance(v, int) else None
+        if s is None:
+            return set()
+        out = set()
+        for d, ax in enumerate(s):
+            axes = ax if isinstance(ax, tuple) else (ax,)
+            if MODEL_AXIS in axes:
+                out.add(d)
+        return out
+
+    pinned = set()
+    for e in program.eqns:
+        name = e.name
+        if name in _PASS_THROUGH and len(e.invars) == 1 and isinstance(e.invars[0], int) \
+                and e.invars[0] in origin:
+            origin[e.outvars[0]] = origin[e.invars[0]]
+        elif name == "dot_general":
+            (lc, rc), _ = e.params["dimension_numbers"]
+            lhs, rhs = e.invars[:2]
+            if split_dims(lhs) & set(lc) or split_dims(rhs) & set(rc):
+                pinned.update(e.outvars)
+        elif name == "gather":
+            operand = e.invars[0]
+            collapsed = set(e.params["dimension_numbers"].collapsed_slice_dims)
+            if split_dims(operand) & collapsed:
+                pinned.update(e.outvars)
+    return frozenset(pinned)
+
+
+def gathered_spec(s: P) -> P:
+    """A parameter's spec with the data (fsdp) axes removed: the weight as the compute
+    uses it once all-gathered (still split over `model` under tp)."""
+    out = []
+    for ax in s:
+        axes = ax if isinstance(ax, tuple) else (ax,)
+        out.append(MODEL_AXIS if MODEL_AXIS in axes else None)
+    return P(*out)
+
+
+def gathered_params(program, params, spec: ShardingSpec) -> dict[int, tuple[P, int]]:
+    """Under fsdp: parameter value id -> (its all-gathered spec, one device's bytes of the
+    gathered weight) for every parameter split over the data axes. A checkpointed segment
+    all-gathers these once, tagged and kept by its policy, so its recomputation in the
+    backward does not all-gather them again (apply.run_segments)."""
+    if spec is None or spec.scheme not in ("fsdp", "fsdp+tp"):
+        return {}
+    from .trace import nbytes
+    specs = jax.tree.leaves(param_specs(params, spec), is_leaf=lambda x: isinstance(x, P))
+    out = {}
+    for vid, s in zip(program.invars[:program.n_param_leaves], specs):
+        g = gathered_spec(s)
+        if g == s:
+            continue
+        aval = program.avals[vid]
+        shard = tuple(n // (spec.model_size if ax == MODEL_AXIS else 1)
+                      for n, ax in zip(aval.shape, list(g) + [None] * (len(aval.shape) - len(g))))
+        out[vid] = (g, nbytes(jax.ShapeDtypeStruct(shard, aval.dtype)))
+    return out
+
+
+def shard_arrays(params, batch, opt_state=None, *, optimizer=None, mesh=None, sharding=None):
+    """Place real `params`, `batch` (and `opt_state`) on the mesh as the scheme shards them
+    (`jax.device_put` with their NamedShardings); returns them in the same order."""
+    spec = resolve(mesh, sharding)
+    from .verify import abstract, as_batch
+    batch = as_batch(batch)
+    sh = step_shardings(spec, abstract(params), abstract(batch),
+                        optimizer if opt_state is not None else None)
+    out = (jax.device_put(params, sh.params), jax.device_put(batch, sh.batch))
+    if opt_state is not None:
+        out += (jax.device_put(opt_state, sh.opt_state),)
+    return out
