@@ -121,7 +121,7 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
     parameters it uses once, at its start (`with_sharding_constraint`), and keeps the
     gathered weights by name, so its recomputation in the backward does not all-gather
     them again; nested segments receive them gathered."""
-    gathers = gathers or {}
+    gathers = gathers or {}  # inside a region the weights arrive gathered: a no-op again
     for seg in segments:
         lo, hi = plan.stages[seg.start].start, plan.stages[seg.stop - 1].stop
         if scan.is_scan_option(seg.option):  # the layer stack, rebuilt as the scheme says
@@ -129,9 +129,15 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
             continue
         pins = [v for e in program.eqns[lo:hi] for v in e.outvars if v in pinned]
         if not seg.is_checkpoint:
-            if pins:
+            if pins or gathers:
+                # Outside checkpoints too: pinned values tagged (for enclosing regions) and
+                # weights gathered the same way, so the unplanned (all-store) step and the
+                # planned one partition alike and differ only by their recomputation.
                 ins, outs = stage_io(program, lo, hi, last, defs)
                 fn = make_segment_fn(program, lo, hi, ins, outs, tag=pins)
+                to_gather = [i for i, v in enumerate(ins) if v in gathers]
+                if to_gather:
+                    fn = _gathering(fn, ins, to_gather, gathers)
                 env.update(zip(outs, fn(*[env[v] for v in ins])))
             else:
                 eval_range(program, lo, hi, env)

@@ -271,7 +271,12 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
     last, defs = last_uses(program), definitions(program)
     free = program.free
     varying = varying_values(program)
-    cache: dict[str, tuple] = {}
+    # Profiles of the same program are reused across analyses (e.g. one per sharding
+    # scheme, or per budget sweep): the key includes the program's fingerprint.
+    if len(_PROFILES) > 512:
+        _PROFILES.clear()
+    prefix = f"{program.fingerprint()}|{measure_xla}|"
+    cache = _ProfileCache(prefix)
     profiles = []
     for k, st in enumerate(cost.stages):
         ins, outs = stage_io(program, st.start, st.stop, last, defs)
@@ -350,6 +355,25 @@ def cut_overlap(program: Program, cost: CostGraph, last=None, defs=None):
     if not table.any():
         return ()
     return tuple(tuple(int(x) for x in row) for row in table)
+
+
+_PROFILES: dict[str, tuple] = {}
+
+
+class _ProfileCache:
+    """A view of _PROFILES under one program's prefix."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def __contains__(self, key: str) -> bool:
+        return self.prefix + key in _PROFILES
+
+    def __getitem__(self, key: str):
+        return _PROFILES[self.prefix + key]
+
+    def __setitem__(self, key: str, value) -> None:
+        _PROFILES[self.prefix + key] = value
 
 
 def _local_pins(program: Program, start: int, stop: int, pinned) -> tuple:
@@ -481,9 +505,10 @@ def scale_chain(chain: ChainModel, f: float) -> ChainModel:
 def with_gathered_weights(chain: ChainModel, program: Program, cost: CostGraph,
                           gathered: dict[int, int]) -> ChainModel:
     """Under fsdp a checkpointed segment keeps the all-gathered weights it uses (apply
-    gathers them once and keeps them, so the backward does not all-gather again):
-    `gathered` is parameter id -> one device's bytes of the gathered weight. Each stage's
-    checkpoint options keep its weights' bytes, and a region over stages [a, b) keeps
+    gathers them once and keeps them, so the backward does not all-gather again; a stage
+    outside checkpoints keeps them as residuals of its backward): `gathered` is parameter
+    id -> one device's bytes of the gathered weight. Each stage's options keep its
+    weights' bytes, and a region over stages [a, b) keeps
     those of all its stages on top of its inputs (a nested child inside it then counts
     them again: conservative)."""
     if not gathered:
@@ -494,8 +519,8 @@ def with_gathered_weights(chain: ChainModel, program: Program, cost: CostGraph,
                 if isinstance(v, int) and v in gathered}
         per_stage.append(sum(gathered[v] for v in used))
     stages = tuple(dataclasses.replace(s, options=tuple(
-        o if o.name == STORE else dataclasses.replace(o, keep_bytes=o.keep_bytes + g)
-        for o in s.options)) for s, g in zip(chain.stages, per_stage))
+        dataclasses.replace(o, keep_bytes=o.keep_bytes + g) for o in s.options))
+        for s, g in zip(chain.stages, per_stage))
     n = chain.n
     prefix = np.concatenate([[0], np.cumsum(per_stage)])
     inputs = tuple(tuple(int(chain.region_input_bytes(a, b) + prefix[b] - prefix[a])

@@ -125,7 +125,14 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
         an = _calibrate_scan(an, scanned, loss_fn, params, batch, optimizer, say)
     elif calibrate:
         say("measuring the step without remat (calibration)")
-        noremat = measure(loss_fn, params, batch, optimizer, has_aux, sharding=spec)
+        base = loss_fn
+        if spec is not None:
+            # The unplanned sharded step as the planner runs it: every stage stored, weights
+            # all-gathered and collective outputs tagged as in a plan (apply.run_segments),
+            # so the plan's figures differ from it by the remat alone.
+            store_all = tuple(Segment(i, i + 1, STORE) for i in range(chain.n))
+            base = _plan_from_segments(an, store_all, 0, 0, params, batch).apply(loss_fn)
+        noremat = measure(base, params, batch, optimizer, has_aux, sharding=spec)
         # Sharded: XLA's FLOPs are one device's; the model's stay global (recompute too).
         flops = step_flops if spec is not None else (noremat.flops or step_flops)
         an = _calibrate(dataclasses.replace(an, noremat=noremat, step_flops=flops),

@@ -1,0 +1,187 @@
+"""Sharded steps on 8 simulated CPU devices (tests/conftest.py): per-device budget checked
+by XLA's per-device peak of the compiled SPMD step, exact gradients against the unsharded
+unplanned step, collectives never repeated by the plan, one-line errors for bad meshes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import remat_planner as rp
+from remat_planner import sharding as sh
+from remat_planner.cli import main
+from remat_planner.config import build_workload, load_config, make_optimizer
+from remat_planner.errors import ConfigError
+from remat_planner.memory import compiler_options
+from remat_planner.verify import jit_kwargs
+
+CONFIG = "configs/llama-tiny.yaml"
+BATCH = 32  # divisible by the 8 (dp, fsdp) and 4 (fsdp+tp) data shards
+SCHEMES = {"dp": "data=8", "fsdp": "data=8", "fsdp+tp": "data=4,model=2"}
+# Budgets as fractions of the way from fixed memory to the no-remat peak (per device).
+FRACTIONS = (0.8, 0.65, 0.5)
+N_LAYER = 4  # as in the config
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8,
+                                reason="needs 8 devices (tests/conftest.py sets XLA_FLAGS)")
+
+
+@pytest.fixture(scope="module")
+def workload():
+    """configs/llama-tiny.yaml (4 unrolled blocks) at batch 32."""
+    cfg = load_config(CONFIG, batch_size=BATCH)
+    assert cfg.model["n_layer"] == N_LAYER and not cfg.model["scan_layers"]
+    return build_workload(cfg), make_optimizer(cfg.optimizer)
+
+
+@pytest.fixture(scope="module")
+def real_inputs(workload):
+    wl, _ = workload
+    return wl.init_params(jax.random.key(0)), wl.synthetic_batch(jax.random.key(1))
+
+
+@pytest.fixture(scope="module")
+def reference(workload, real_inputs):
+    """Loss and gradients of the unsharded, unplanned step."""
+    wl, _ = workload
+    params, batch = real_inputs
+    return jax.jit(jax.value_and_grad(wl.loss_fn))(params, *batch)
+
+
+@pytest.fixture(scope="module", params=list(SCHEMES))
+def analysis(request, workload):
+    wl, opt = workload
+    scheme = request.param
+    return scheme, rp.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, opt,
+                              mesh=SCHEMES[scheme], sharding=scheme)
+
+
+def test_plans_fit_per_device_budget_and_gradients_are_exact(workload, analysis, real_inputs,
+                                                             reference):
+    wl, opt = workload
+    scheme, an = analysis
+    noremat = an.noremat.peak_bytes
+    assert an.sharding.scheme == scheme and an.fixed.total < noremat
+    plans = []
+    for frac in FRACTIONS:
+        budget = int(an.fixed.total + frac * (noremat - an.fixed.total))
+        p = rp.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, opt, analysis=an,
+                    max_rounds=2)
+        assert p.measured_peak_bytes <= budget, (scheme, frac, p.measured_peak_bytes, budget)
+        assert p.metadata["sharding"] == {"mesh": SCHEMES[scheme], "scheme": scheme}
+        plans.append(p)
+    # the tighter budget really needed remat
+    assert plans[-1].measured_peak_bytes < noremat and plans[-1].recompute_flops > 0
+
+    # Communication: the planned step repeats no collective of the unplanned one.
+    before, after = an.noremat.communication, plans[-1].metadata["communication"]
+    for kind in ("all-gather", "all-reduce", "reduce-scatter"):
+        assert after[kind]["bytes"] <= before[kind]["bytes"] * 1.01, (scheme, kind, before, after)
+
+    # Gradients and loss of the sharded planned step equal the unsharded unplanned ones.
+    params, batch = real_inputs
+    planned = plans[-1].apply(wl.loss_fn)
+    kw = jit_kwargs(an.sharding, wl.abstract_params, wl.abstract_batch)
+    grad_fn = jax.jit(jax.value_and_grad(planned), compiler_options=compiler_options(),
+                      in_shardings=(kw["in_shardings"][0], *kw["in_shardings"][1]),
+                      out_shardings=(sh.step_shardings(an.sharding, wl.abstract_params,
+                                                       wl.abstract_batch).replicated,
+                                     kw["out_shardings"]))
+    p_sharded, b_sharded = rp.shard_arrays(params, batch, sharding=an.sharding)
+    assert p_sharded["lm_head"]["kernel"].sharding.spec != jax.sharding.PartitionSpec() \
+        or scheme == "dp"
+    loss, grads = grad_fn(p_sharded, *b_sharded)
+    ref_loss, ref_grads = reference
+    # collectives reorder sums: f32 agrees to ~1e-6 relative; 1e-5 with a small atol
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 grads, ref_grads)
+
+
+def test_tensor_parallel_collective_outputs_are_kept(workload):
+    """Under tp the row-parallel projections and the embedding lookup are all-reduced:
+    they are pinned, i.e. in every checkpoint option's saved set."""
+    wl, _ = workload
+    from remat_planner.trace import trace
+    program = trace(wl.loss_fn, wl.abstract_params, *wl.abstract_batch)
+    spec = sh.ShardingSpec.make("data=4,model=2", "fsdp+tp")
+    pinned = sh.collective_outputs(program, wl.abstract_params, spec)
+    producers = sorted({(e.name, e.module_path.split("/")[-1]) for e in program.eqns
+                        if set(e.outvars) & pinned})
+    assert len(pinned) == 2 * N_LAYER + 1
+    assert {m for _, m in producers} == {"o_proj", "down_proj", "embed"}
+    assert not sh.collective_outputs(program, wl.abstract_params,
+                                     sh.ShardingSpec.make("data=8", "fsdp"))
+
+
+def test_partition_specs():
+    P = jax.sharding.PartitionSpec
+    tp = sh.ShardingSpec.make({"data": 4, "model": 2}, "fsdp+tp")
+    assert sh.param_spec("layers_0/attn/q_proj/kernel", (128, 128), tp) == P("data", "model")
+    assert sh.param_spec("layers_0/mlp/down_proj/kernel", (352, 128), tp) == P("model", "data")
+    assert sh.param_spec("embed/embedding", (512, 128), tp) == P("model", "data")
+    assert sh.param_spec("norm/scale", (128,), tp) == P("data")
+    fsdp = sh.ShardingSpec.make("data=8", "fsdp")
+    assert sh.param_spec("x/kernel", (3, 352), fsdp) == P(None, "data")
+    assert sh.param_spec("x/bias", (3,), fsdp) == P(None)  # nothing divisible: replicated
+    assert sh.ShardingSpec.make("a=2,b=4", "dp").data_axes == ("a", "b")
+    assert sh.gathered_spec(P("model", "data")) == P("model", None)
+    with pytest.raises(ConfigError, match=r"dimension 1 \(33\) is not divisible by mesh axis 'model'"):
+        sh.param_spec("q_proj/kernel", (128, 33), tp)
+
+
+@pytest.mark.parametrize("mesh, scheme, fragment", [
+    ("data=4,model", "dp", "is not axis=size"),
+    ("data=four", "dp", "not an integer"),
+    ("data=0", "dp", "must be positive"),
+    ("data=2,data=4", "dp", "appears twice"),
+    ("data=8", "tp", "axis named 'model'"),
+    ("model=8", "fsdp+tp", "needs a data axis"),
+    ("data=8", "zero", "unknown sharding scheme"),
+])
+def test_bad_mesh_is_one_line_config_error(mesh, scheme, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        sh.ShardingSpec.make(mesh, scheme)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--mesh", "data=4,model", "--sharding", "dp"], "is not axis=size"),
+    (["--mesh", "data=4", "--sharding", "dp"], "needs 4 devices but JAX sees 8"),
+    (["--mesh", "data=8", "--sharding", "dp", "--batch-size", "4"],
+     "batch dimension 4 is not divisible by the data axes"),
+    (["--mesh", "data=8"], "needs both a mesh and a sharding scheme"),
+    (["--mesh", "data=8", "--sharding", "zero"], "field 'sharding'"),
+])
+def test_cli_bad_sharding_exits_2_with_one_line(args, fragment, capsys):
+    code = main([CONFIG, "--budget", "10MB", "--no-compare", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert "\n" not in err and "Traceback" not in err and fragment in err
+
+
+def test_config_keys(tmp_path):
+    text = Path(CONFIG).read_text() + "mesh: {data: 4, model: 2}\nsharding: fsdp+tp\n"
+    path = tmp_path / "sharded.yaml"
+    path.write_text(text)
+    cfg = load_config(path, batch_size=8)
+    assert cfg.mesh == "data=4,model=2" and cfg.sharding == "fsdp+tp"
+    from remat_planner.config import sharding_spec
+    assert sharding_spec(cfg) == sh.ShardingSpec((("data", 4), ("model", 2)), "fsdp+tp")
+    path.write_text(Path(CONFIG).read_text() + "sharding: fsdp\n")
+    with pytest.raises(ConfigError, match="needs both a mesh and a sharding scheme"):
+        load_config(path)
+
+
+def test_communication_parser():
+    hlo = """
+  %all-gather.1 = f32[128,352]{1,0} all-gather(f32[16,352]{1,0} %p), replica_groups={}
+  %ar = (f32[8]{0}, bf16[4,4]{1,0}) all-reduce(%a, %b), to_apply=%add
+  %x = f32[2]{0} add(%y, %z)
+"""
+    c = sh.communication(hlo)
+    assert c.counts["all-gather"] == 1 and c.bytes["all-gather"] == 128 * 352 * 4
+    assert c.counts["all-reduce"] == 1 and c.bytes["all-reduce"] == 8 * 4 + 16 * 2
+    assert c.total_bytes == 128 * 352 * 4 + 64
