@@ -231,15 +231,15 @@ def _report(cfg, wl, an, plan, baselines, seconds) -> dict:
     def overhead(m):
         return None if not noremat_flops else (m.flops - noremat_flops) / noremat_flops
 
+    sharded = {} if an.sharding is None else {"sharding": {
+        **an.sharding.to_dict(), "devices": an.sharding.n_devices, "budget_is": "per device",
+        "collective_outputs_kept": len(an.pinned),
+        "communication_no_remat": an.noremat.communication if an.noremat else None,
+        "communication_plan": plan.metadata.get("communication")}}
     return {
         "config": str(cfg.type),
         "model": {**wl.info, "param_count": wl.param_count},
-        "sharding": (None if an.sharding is None else
-                     {**an.sharding.to_dict(), "devices": an.sharding.n_devices,
-                      "budget_is": "per device",
-                      "collective_outputs_kept": len(an.pinned),
-                      "communication_no_remat": an.noremat.communication if an.noremat else None,
-                      "communication_plan": plan.metadata.get("communication")}),
+        **sharded,
         "budget_bytes": plan.budget_bytes,
         "fixed": {"params_bytes": an.fixed.params_bytes, "grads_bytes": an.fixed.grads_bytes,
                   "opt_state_bytes": an.fixed.opt_state_bytes,

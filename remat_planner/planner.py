@@ -101,11 +101,11 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
     if has_aux:
         fixed = dataclasses.replace(fixed, aux_bytes=sum(program.nbytes(v)
                                                          for v in program.aux_outputs))
-    scanned = scan.profile_chain(program, cost, measure_xla=measure_xla, progress=say)
-    if scanned is not None and spec is not None:
+    if spec is not None and scan.find_layer_scan(program) is not None:
         raise UnsupportedModelError(
             "sharded steps of a scan-over-layers model are not planned yet; set "
             "`scan_layers: false` in the model config (unrolled layers shard fine)")
+    scanned = scan.profile_chain(program, cost, measure_xla=measure_xla, progress=say)
     if scanned is not None:  # the layers are one scan: a stage whose options are scan schemes
         cost, chain = scanned.cost, scanned.chain
     else:

@@ -100,6 +100,16 @@ def test_plans_fit_per_device_budget_and_gradients_are_exact(workload, analysis,
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                  grads, ref_grads)
 
+    if scheme == "fsdp+tp":  # the training step API, on arrays placed by shard_arrays
+        step = rp.train_step(wl.loss_fn, opt, plans[-1], params=wl.abstract_params,
+                             batch=wl.abstract_batch)
+        p_in, b_in, s_in = rp.shard_arrays(params, batch, opt.init(params), optimizer=opt,
+                                           sharding=an.sharding)
+        new_params, _, step_loss = step(p_in, s_in, b_in)
+        np.testing.assert_allclose(step_loss, ref_loss, rtol=1e-5)
+        kernel = new_params["layers_0"]["mlp"]["down_proj"]["kernel"]
+        assert kernel.sharding.spec == jax.sharding.PartitionSpec("model", "data")
+
 
 def test_tensor_parallel_collective_outputs_are_kept(workload):
     """Under tp the row-parallel projections and the embedding lookup are all-reduced:
@@ -162,6 +172,25 @@ def test_cli_bad_sharding_exits_2_with_one_line(args, fragment, capsys):
     assert "\n" not in err and "Traceback" not in err and fragment in err
 
 
+def test_cli_sharded_json_report(capsys, workload):
+    """The CLI on a mesh (model only, --no-verify: the verified path is the API's above):
+    fixed memory is per device, fsdp splits it 8 ways."""
+    import json
+    code = main([CONFIG, "--budget", "12MB", "--batch-size", str(BATCH), "--mesh", "data=8",
+                 "--sharding", "fsdp", "--no-verify", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    sharded = report["sharding"]
+    assert (sharded["mesh"], sharded["scheme"], sharded["devices"]) == ("data=8", "fsdp", 8)
+    wl, opt = workload
+    whole = rp.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, opt,
+                       calibrate=False, measure_xla=False).fixed
+    fixed = report["fixed"]
+    for key in ("params_bytes", "grads_bytes", "opt_state_bytes", "batch_bytes"):
+        assert fixed[key] <= getattr(whole, key) // 8 + 4096, key  # small vectors replicated
+    assert report["plan"]["predicted_peak_bytes"] <= 12_000_000
+
+
 def test_config_keys(tmp_path):
     text = Path(CONFIG).read_text() + "mesh: {data: 4, model: 2}\nsharding: fsdp+tp\n"
     path = tmp_path / "sharded.yaml"
@@ -173,6 +202,15 @@ def test_config_keys(tmp_path):
     path.write_text(Path(CONFIG).read_text() + "sharding: fsdp\n")
     with pytest.raises(ConfigError, match="needs both a mesh and a sharding scheme"):
         load_config(path)
+
+
+def test_scanned_model_is_refused_in_one_line(tmp_path, capsys):
+    path = tmp_path / "scanned.yaml"
+    path.write_text(Path(CONFIG).read_text().replace("scan_layers: false", "scan_layers: true"))
+    code = main([str(path), "--budget", "10MB", "--batch-size", "8", "--mesh", "data=8",
+                 "--sharding", "dp"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "scan_layers: false" in err
 
 
 def test_communication_parser():
