@@ -387,11 +387,14 @@ def _probe_cheaper(an: Analysis, solver: ChainSolver, best: Plan, budget_bytes: 
         p = _make_plan(an, solution, budget_bytes, params, batch, error)
         say(f"verifying a cheaper plan the model puts {p.predicted_peak_bytes - budget_bytes:+d} "
             "bytes from the budget (probe)")
-        m = measure(p.apply(loss_fn), params, batch, optimizer, has_aux)
+        m = measure(p.apply(loss_fn), params, batch, optimizer, has_aux, sharding=an.sharding)
         if m.peak_bytes > budget_bytes:
             break
         if m.flops < best.measured_flops:
-            best = dataclasses.replace(p, measured_peak_bytes=m.peak_bytes, measured_flops=m.flops)
+            meta = p.metadata if m.communication is None else {
+                **p.metadata, "communication": m.communication}
+            best = dataclasses.replace(p, measured_peak_bytes=m.peak_bytes, measured_flops=m.flops,
+                                       metadata=meta)
     return best, probes
 
 

@@ -282,8 +282,8 @@ def per_device_bytes(tree, shardings) -> int:
 
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
                 "collective-permute")
-_HLO_LINE = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-gather|reduce-scatter|all-reduce|all-to-all|"
-                       r"collective-permute)(-start)?\(")
+_HLO_OP = re.compile(r"\s(all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)"
+                     r"(-start)?\(")
 _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64)\[([0-9,]*)\]")
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
              "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
@@ -312,12 +312,21 @@ def communication(hlo_text: str) -> Communication:
     counts = {k: 0 for k in _COLLECTIVES}
     sizes = {k: 0 for k in _COLLECTIVES}
     for line in hlo_text.splitlines():
-        m = _HLO_LINE.search(line)
+        if " = " not in line:
+            continue
+        rhs = line.split(" = ", 1)[1]  # "<result type> <opcode>(<operands>), ..."
+        m = _HLO_OP.search(rhs)
         if not m:
             continue
-        kind = m.group(2)
+        kind = m.group(1)
         counts[kind] += 1
-        for dt, dims in _SHAPE.findall(m.group(1)):
+        # the result type; a combined collective has a tuple type, whose
+        # /*index=N*/ comments are skipped by the shape pattern
+        result = rhs[:m.start()]
+        shapes = _SHAPE.findall(result)
+        if m.group(2):  # async "-start": (operands..., results...): count the results
+            shapes = shapes[len(shapes) // 2:]
+        for dt, dims in shapes:
             n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
             sizes[kind] += n * _ITEMSIZE[dt]
     return Communication(counts, sizes)
@@ -380,13 +389,15 @@ def collective_outputs(program, params, spec: ShardingSpec) -> frozenset[int]:
     return frozenset(pinned)
 
 
-def gathered_spec(s: P) -> P:
+def gathered_spec(s: P, spec: ShardingSpec) -> P:
     """A parameter's spec with the data (fsdp) axes removed: the weight as the compute
-    uses it once all-gathered (still split over `model` under tp)."""
+    uses it once all-gathered (still split over `model` under tp; under plain fsdp an
+    axis named `model` is a data axis like the others and is gathered too)."""
     out = []
     for ax in s:
         axes = ax if isinstance(ax, tuple) else (ax,)
-        out.append(MODEL_AXIS if MODEL_AXIS in axes else None)
+        kept = [a for a in axes if a is not None and a not in spec.data_axes]
+        out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
     return P(*out)
 
 
@@ -401,7 +412,7 @@ def gathered_params(program, params, spec: ShardingSpec) -> dict[int, tuple[P, i
     specs = jax.tree.leaves(param_specs(params, spec), is_leaf=lambda x: isinstance(x, P))
     out = {}
     for vid, s in zip(program.invars[:program.n_param_leaves], specs):
-        g = gathered_spec(s)
+        g = gathered_spec(s, spec)
         if g == s:
             continue
         aval = program.avals[vid]

@@ -164,6 +164,5 @@ def train_step(loss_fn: Callable, optimizer, plan=None, has_aux: bool = False, *
             raise ConfigError("a sharded train_step needs params= and batch= (shapes suffice) "
                               "to build its shardings")
         kw = jit_kwargs(spec, abstract(params), abstract(as_batch(batch)), optimizer, has_aux)
-        kw["in_shardings"] = (*kw["in_shardings"][:2], tuple(kw["in_shardings"][2]))
     return jax.jit(lambda p, s, b: step(p, s, as_batch(b)), donate_argnums=(0, 1),
                    compiler_options=compiler_options(), **kw)

@@ -138,7 +138,11 @@ def test_partition_specs():
     assert sh.param_spec("x/kernel", (3, 352), fsdp) == P(None, "data")
     assert sh.param_spec("x/bias", (3,), fsdp) == P(None)  # nothing divisible: replicated
     assert sh.ShardingSpec.make("a=2,b=4", "dp").data_axes == ("a", "b")
-    assert sh.gathered_spec(P("model", "data")) == P("model", None)
+    assert sh.gathered_spec(P("model", "data"), tp) == P("model", None)
+    # plain fsdp on a 2-axis mesh: 'model' is a data axis, gathered like 'data'
+    fsdp2 = sh.ShardingSpec.make("data=4,model=2", "fsdp")
+    assert sh.param_spec("x/kernel", (128, 352), fsdp2) == P(None, ("data", "model"))
+    assert sh.gathered_spec(P(None, ("data", "model")), fsdp2) == P(None, None)
     with pytest.raises(ConfigError, match=r"dimension 1 \(33\) is not divisible by mesh axis 'model'"):
         sh.param_spec("q_proj/kernel", (128, 33), tp)
 
@@ -216,7 +220,7 @@ def test_scanned_model_is_refused_in_one_line(tmp_path, capsys):
 def test_communication_parser():
     hlo = """
   %all-gather.1 = f32[128,352]{1,0} all-gather(f32[16,352]{1,0} %p), replica_groups={}
-  %ar = (f32[8]{0}, bf16[4,4]{1,0}) all-reduce(%a, %b), to_apply=%add
+  %ar = (f32[8]{0}, /*index=1*/bf16[4,4]{1,0}) all-reduce(%a, %b), to_apply=%add
   %x = f32[2]{0} add(%y, %z)
 """
     c = sh.communication(hlo)
