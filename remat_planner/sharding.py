@@ -299,18 +299,25 @@ class Communication:
 
     counts: dict
     bytes: dict
+    # of those, collectives XLA tags as part of a rematerialized computation (op_name
+    # ".../rematted_computation/..."): communication repeated by recomputation
+    recomputed_count: int = 0
+    recomputed_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         return int(sum(self.bytes.values()))
 
     def to_dict(self) -> dict:
-        return {k: {"count": self.counts[k], "bytes": self.bytes[k]} for k in self.counts}
+        d = {k: {"count": self.counts[k], "bytes": self.bytes[k]} for k in self.counts}
+        d["in recomputation"] = {"count": self.recomputed_count, "bytes": self.recomputed_bytes}
+        return d
 
 
 def communication(hlo_text: str) -> Communication:
     counts = {k: 0 for k in _COLLECTIVES}
     sizes = {k: 0 for k in _COLLECTIVES}
+    rc = rb = 0
     for line in hlo_text.splitlines():
         if " = " not in line:
             continue
@@ -326,10 +333,15 @@ def communication(hlo_text: str) -> Communication:
         shapes = _SHAPE.findall(result)
         if m.group(2):  # async "-start": (operands..., results...): count the results
             shapes = shapes[len(shapes) // 2:]
+        size = 0
         for dt, dims in shapes:
             n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-            sizes[kind] += n * _ITEMSIZE[dt]
-    return Communication(counts, sizes)
+            size += n * _ITEMSIZE[dt]
+        sizes[kind] += size
+        if "rematted_computation" in line:
+            rc += 1
+            rb += size
+    return Communication(counts, sizes, rc, rb)
 
 
 # ---------------------------------------------------------------------------------------

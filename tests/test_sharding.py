@@ -80,6 +80,7 @@ def test_plans_fit_per_device_budget_and_gradients_are_exact(workload, analysis,
     before, after = an.noremat.communication, plans[-1].metadata["communication"]
     for kind in ("all-gather", "all-reduce", "reduce-scatter"):
         assert after[kind]["bytes"] <= before[kind]["bytes"] * 1.01, (scheme, kind, before, after)
+    assert after["in recomputation"]["count"] == 0, after
 
     # Gradients and loss of the sharded planned step equal the unsharded unplanned ones.
     params, batch = real_inputs
@@ -222,8 +223,10 @@ def test_communication_parser():
   %all-gather.1 = f32[128,352]{1,0} all-gather(f32[16,352]{1,0} %p), replica_groups={}
   %ar = (f32[8]{0}, /*index=1*/bf16[4,4]{1,0}) all-reduce(%a, %b), to_apply=%add
   %x = f32[2]{0} add(%y, %z)
+  %ag = f32[4]{0} all-gather(f32[1]{0} %q), metadata={op_name="jit(step)/transpose(jvp())/checkpoint/rematted_computation/mul"}
 """
     c = sh.communication(hlo)
-    assert c.counts["all-gather"] == 1 and c.bytes["all-gather"] == 128 * 352 * 4
+    assert c.counts["all-gather"] == 2 and c.bytes["all-gather"] == 128 * 352 * 4 + 16
+    assert (c.recomputed_count, c.recomputed_bytes) == (1, 16)
     assert c.counts["all-reduce"] == 1 and c.bytes["all-reduce"] == 8 * 4 + 16 * 2
-    assert c.total_bytes == 128 * 352 * 4 + 64
+    assert c.total_bytes == 128 * 352 * 4 + 64 + 16
