@@ -44,6 +44,10 @@ class Analysis:
     calibration_bytes: int = 0
     residual_scale: float = 1.0   # fitted scale on `store` residual bytes (see _calibrate)
     workspace_scale: float = 1.0  # fitted scale on stage workspaces (see _calibrate)
+    # XLA measurements of plans of this step, by (segments, optimizer): planning the same
+    # analysis at several budgets (a frontier sweep) meets the same plans again, and a
+    # compile is the expensive part of verifying one.
+    verified: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def noremat_predicted_peak(self) -> int:
@@ -267,7 +271,7 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     for round_ in range(max_rounds):
         p = _make_plan(an, solution, budget_bytes, params, batch, correction)
         say(f"verifying with XLA (round {round_ + 1})")
-        m = measure(p.apply(loss_fn), params, batch, optimizer, has_aux)
+        m = _measure_plan(an, p, loss_fn, params, batch, optimizer)
         lowest_peak = m.peak_bytes if lowest_peak is None else min(lowest_peak, m.peak_bytes)
         p = dataclasses.replace(p, measured_peak_bytes=m.peak_bytes, measured_flops=m.flops,
                                 metadata={**p.metadata, "verify_rounds": round_ + 1})
@@ -345,12 +349,25 @@ def _probe_cheaper(an: Analysis, solver: ChainSolver, best: Plan, budget_bytes: 
         p = _make_plan(an, solution, budget_bytes, params, batch, error)
         say(f"verifying a cheaper plan the model puts {p.predicted_peak_bytes - budget_bytes:+d} "
             "bytes from the budget (probe)")
-        m = measure(p.apply(loss_fn), params, batch, optimizer, has_aux)
+        m = _measure_plan(an, p, loss_fn, params, batch, optimizer)
         if m.peak_bytes > budget_bytes:
             break
         if m.flops < best.measured_flops:
             best = dataclasses.replace(p, measured_peak_bytes=m.peak_bytes, measured_flops=m.flops)
     return best, probes
+
+
+def _measure_plan(an: Analysis, p: Plan, loss_fn, params, batch, optimizer) -> Measurement:
+    """XLA's figures for plan `p` of the analysed step, compiled once per analysis."""
+    try:
+        key = (p.segments, optimizer)
+        hash(key)
+    except TypeError:  # an optimizer that cannot be a dict key: no reuse
+        return measure(p.apply(loss_fn), params, batch, optimizer, an.program.has_aux)
+    if key not in an.verified:
+        an.verified[key] = measure(p.apply(loss_fn), params, batch, optimizer,
+                                   an.program.has_aux)
+    return an.verified[key]
 
 
 def _make_plan(an: Analysis, solution, budget_bytes: int, params, batch, correction: int) -> Plan:
