@@ -29,6 +29,7 @@ from . import baselines
 from . import planner as pl
 from .budget import format_bytes_short as fb
 from .errors import InfeasibleBudgetError
+from .verify import measure
 
 MIN_POINTS = 12
 # The knee divides by the overhead in percent; a point at 0% would divide by zero, so
@@ -222,11 +223,11 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
     builtins = [noremat]
     for name in baselines.NAMES[1:]:
         step(f"measuring built-in: {name}")
-        loss = baselines.builtin_loss(name, wl.loss_fn, P, B, wl.has_aux)
-        from .verify import measure
+        if name == baselines.SQRT_N:
+            loss, how = baselines.sqrt_grouping_loss(wl.loss_fn, P, B, wl.has_aux)
+        else:
+            loss, how = baselines.builtin_loss(name, wl.loss_fn, P, B, wl.has_aux), "per block"
         m = measure(loss, P, B, optimizer, wl.has_aux)
-        how = (baselines.sqrt_grouping_loss(wl.loss_fn, P, B, wl.has_aux)[1]
-               if name == baselines.SQRT_N else "per block")
         builtins.append(Point("builtin", name, None, m.peak_bytes, m.flops, nf, plan=how))
 
     # The low end: the model's smallest feasible budget; when XLA finds the plan over it,
@@ -371,14 +372,15 @@ def write_markdown(fr: Frontier, path: str, command: str = "") -> None:
 
 
 def plot(fr: Frontier, path: str) -> None:
-    """x = XLA peak (GB), y = overhead %: the planner's frontier as a step line (the
+    """x = XLA peak (GB, or MB below 1 GB), y = overhead %: the planner's frontier as a step line (the
     least overhead measured at or below each peak), its other points faint, every built-in
     as a labelled point, the knee starred."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    gb = 1e9
+    top = max(p.peak_bytes for p in fr.builtins + [q for q in fr.points if q.feasible])
+    gb, unit = (1e9, "GB") if top >= 1e9 else (1e6, "MB")
     fig, ax = plt.subplots(figsize=(9, 5.5))
     front = fr.frontier
     xs = [p.peak_bytes / gb for p in front]
@@ -403,7 +405,7 @@ def plot(fr: Frontier, path: str) -> None:
     if knee is not None:
         ax.plot(knee.peak_bytes / gb, 100 * knee.overhead, "*", color="gold", ms=18,
                 markeredgecolor="black", label="knee", zorder=5)
-    ax.set_xlabel("XLA peak of the training step (GB)")
+    ax.set_xlabel(f"XLA peak of the training step ({unit})")
     ax.set_ylabel("recompute overhead (% of FLOPs without remat)")
     ax.set_title(f"{fr.config}: memory vs recompute (jax {fr.jax_version})")
     ax.grid(alpha=0.3)
