@@ -32,9 +32,6 @@ from .errors import InfeasibleBudgetError
 from .verify import measure
 
 MIN_POINTS = 12
-# The knee divides by the overhead in percent; a point at 0% would divide by zero, so
-# overheads are floored here (0.01 percentage points) for that ratio only.
-KNEE_MIN_OVERHEAD_PCT = 0.01
 
 Step = Callable[[str], None]
 
@@ -269,11 +266,19 @@ def total_steps(points: int) -> int:
 
 
 def mark_frontier(points: Sequence[Point]) -> None:
-    """Mark the Pareto-optimal feasible points (no other point has a lower-or-equal peak
-    with lower overhead, or a lower peak with equal-or-lower overhead; the same plan met
-    at several budgets is on the frontier at each) and the knee among them: the point
-    with the largest memory drop from the highest frontier point per percentage point of
-    overhead added (overhead floored at KNEE_MIN_OVERHEAD_PCT)."""
+    """Mark the Pareto-optimal feasible points and the knee among them.
+
+    A point is on the frontier when no other feasible point has a lower-or-equal peak
+    with lower overhead, or a lower peak with equal-or-lower overhead (the same plan met
+    at several budgets is on the frontier at each).
+
+    The knee is where memory stops being cheap: along the frontier from its top (the
+    highest peak), the memory dropped so far, as a share of the frontier's memory range,
+    minus the overhead added so far, as a share of its overhead range, is largest there.
+    Before the knee each percentage point of overhead buys more memory than the
+    frontier's average (range over range), after it less. (The plain ratio "memory drop
+    / overhead" is no use as a criterion: it is largest for the first tiny steps near 0%.)
+    """
     feasible = [p for p in points if p.feasible]
     for p in points:
         p.on_frontier = p.knee = False
@@ -284,17 +289,21 @@ def mark_frontier(points: Sequence[Point]) -> None:
     front = [p for p in feasible if p.on_frontier]
     if len(front) < 2:
         return
-    top = max(front, key=lambda p: p.peak_bytes)
-    base_overhead = top.overhead
-    if all(p.peak_bytes == top.peak_bytes for p in front):
-        return
+    knee = max(front, key=lambda p: (knee_score(front, p), -p.peak_bytes))
+    if knee_score(front, knee) > 0:
+        knee.knee = True
 
-    def ratio(p: Point) -> float:
-        extra_pct = 100 * (p.overhead - base_overhead)
-        return (top.peak_bytes - p.peak_bytes) / max(extra_pct, KNEE_MIN_OVERHEAD_PCT)
 
-    knee = max((p for p in front if p.peak_bytes < top.peak_bytes), key=ratio)
-    knee.knee = True
+def knee_score(front: Sequence[Point], p: Point) -> float:
+    """Memory dropped from the frontier's top minus overhead added, each as a share of
+    the frontier's range (see mark_frontier)."""
+    top = max(front, key=lambda q: (q.peak_bytes, -q.overhead))
+    mem_range = top.peak_bytes - min(q.peak_bytes for q in front)
+    ov_range = max(q.overhead for q in front) - top.overhead
+    if mem_range <= 0 or ov_range <= 0:
+        return 0.0
+    return ((top.peak_bytes - p.peak_bytes) / mem_range
+            - (p.overhead - top.overhead) / ov_range)
 
 
 # ---------------------------------------------------------------------------------------
@@ -334,8 +343,8 @@ def markdown(fr: Frontier, command: str = "") -> str:
         lines.append(f"- command: `{command}`")
     knee = fr.knee
     if knee is not None:
-        lines.append(f"- **knee** (largest memory drop from the top of the frontier per "
-                     f"percentage point of overhead): {knee.label}, XLA peak "
+        lines.append(f"- **knee** (where a further percentage point of overhead starts to "
+                     f"buy less memory than the frontier's average): {knee.label}, XLA peak "
                      f"{fb(knee.peak_bytes)} at {_pct(knee.overhead)} overhead")
     lines += ["", "## Planner points", "",
               "| point | budget | XLA peak | predicted peak | overhead (XLA FLOPs) "

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from remat_planner import baselines
+from remat_planner import Plan, baselines
 from remat_planner.cli import main
 from remat_planner.config import build_workload, load_config, make_optimizer
-from remat_planner.frontier import KNEE_MIN_OVERHEAD_PCT, MIN_POINTS, sweep_budgets
-from remat_planner.maxbatch import Probe, largest_fitting, max_batch
+from remat_planner.frontier import MIN_POINTS, sweep_budgets
+from remat_planner.maxbatch import Probe, builtin_probe, largest_fitting
 from remat_planner.verify import measure
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,18 +110,20 @@ def test_frontier_is_monotone_and_undominated(frontier_run):
     assert abs(front[-1][1]) < 0.5
 
 
-def test_knee_is_marked_and_is_the_best_ratio(frontier_run):
+def test_knee_is_marked_where_memory_stops_being_cheap(frontier_run):
     report, rows, _ = frontier_run
     knees = [r for r in rows if r["knee"] == "1"]
     assert len(knees) == 1 and knees[0]["on_frontier"] == "1"
-    front = [(int(r["xla_peak_bytes"]), float(r["overhead_pct"]), r["label"])
-             for r in _feasible(rows) if r["on_frontier"] == "1"]
-    top = max(front)
-    ratio = lambda f: (top[0] - f[0]) / max(f[1] - top[1], KNEE_MIN_OVERHEAD_PCT)
-    best = max(ratio(f) for f in front if f[0] < top[0])
-    knee = (int(knees[0]["xla_peak_bytes"]), float(knees[0]["overhead_pct"]), knees[0]["label"])
-    assert ratio(knee) == pytest.approx(best, rel=1e-9)
-    assert [p["label"] for p in report["points"] if p["knee"]] == [knee[2]]
+    front = {(int(r["xla_peak_bytes"]), float(r["overhead_pct"]))
+             for r in _feasible(rows) if r["on_frontier"] == "1"}
+    top = max(front, key=lambda f: (f[0], -f[1]))
+    lowest = min(f[0] for f in front)
+    highest = max(f[1] for f in front)
+    score = lambda f: (top[0] - f[0]) / (top[0] - lowest) - (f[1] - top[1]) / (highest - top[1])
+    knee = (int(knees[0]["xla_peak_bytes"]), float(knees[0]["overhead_pct"]))
+    assert score(knee) == pytest.approx(max(map(score, front)), abs=1e-6)
+    assert lowest < knee[0] < top[0]  # strictly inside: neither end of the frontier
+    assert [p["label"] for p in report["points"] if p["knee"]] == [knees[0]["label"]]
 
 
 def test_builtin_points_and_comparison_at_their_peaks(frontier_run):
@@ -183,36 +185,44 @@ def test_search_reports_nothing_when_batch_1_does_not_fit():
 
 
 @pytest.fixture(scope="module")
-def max_batch_run(two_layer):
-    cfg = load_config(two_layer)
-    opt = make_optimizer(cfg.optimizer)
-    cache = {}
-
-    def make(b):
-        if b not in cache:
-            cache[b] = build_workload(load_config(two_layer, batch_size=b))
-        return cache[b]
-    return max_batch(make, opt, BUDGET, cfg.batch_size,
-                     builtins=(baselines.NO_REMAT,)), make, opt
+def max_batch_run(two_layer, tmp_path_factory):
+    """`remat-plan CONFIG --budget B --max-batch --no-compare --json --out plan.json`."""
+    out = tmp_path_factory.mktemp("maxbatch") / "plan.json"
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main([two_layer, "--budget", str(BUDGET), "--max-batch", "--no-compare",
+                     "--json", "--out", str(out)])
+    assert code == 0, stderr.getvalue()
+    return json.loads(stdout.getvalue()), out, two_layer
 
 
 def test_max_batch_fits_and_the_next_does_not(max_batch_run):
-    result, make, opt = max_batch_run
-    best = result.planner.best
-    assert best is not None and best.fits
-    assert best.peak_bytes <= BUDGET
-    nxt = result.planner.probe(best.batch + 1)
-    assert nxt is not None and not nxt.fits
-    # The plan it returns, applied to the step at that batch and compiled again by XLA.
-    wl = make(best.batch)
-    m = measure(best.plan.apply(wl.loss_fn), wl.abstract_params, wl.abstract_batch, opt)
-    assert m.peak_bytes == best.peak_bytes <= BUDGET
+    report, out, cfg_path = max_batch_run
+    planner = report["planner"]
+    probes = {p["batch_size"]: p for p in planner["probes"]}
+    batch = planner["batch_size"]
+    assert batch >= 1 and probes[batch]["fits"]
+    assert planner["xla_peak_bytes"] <= BUDGET and planner["overhead"] >= 0
+    assert batch + 1 in probes and not probes[batch + 1]["fits"]
+    assert all(p["fits"] == (b <= batch) for b, p in probes.items())  # the search is consistent
+    assert report["model"]["batch_size"] == batch
+    assert report["builtin_policies"] == {}  # --no-compare
+    # The plan written for that batch, applied to the step and compiled again by XLA.
+    cfg = load_config(cfg_path, batch_size=batch)
+    wl = build_workload(cfg)
+    plan = Plan.from_json(out.read_text())
+    m = measure(plan.apply(wl.loss_fn), wl.abstract_params, wl.abstract_batch,
+                make_optimizer(cfg.optimizer))
+    assert m.peak_bytes == planner["xla_peak_bytes"] <= BUDGET
 
 
 def test_max_batch_without_remat_is_smaller_and_tight(max_batch_run):
-    result, _, _ = max_batch_run
-    nr = result.builtins[baselines.NO_REMAT]
-    assert 1 <= nr.batch < result.planner.batch
+    report, _, cfg_path = max_batch_run
+    cfg = load_config(cfg_path)
+    make = lambda b: build_workload(load_config(cfg_path, batch_size=b))
+    nr = largest_fitting(builtin_probe(baselines.NO_REMAT, make, make_optimizer(cfg.optimizer),
+                                       BUDGET), cfg.batch_size, BUDGET)
+    assert 1 <= nr.batch < report["planner"]["batch_size"]
     assert nr.best.peak_bytes <= BUDGET < nr.probe(nr.batch + 1).peak_bytes
 
 
