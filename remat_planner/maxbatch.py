@@ -21,7 +21,6 @@ from typing import Callable
 from . import baselines
 from . import planner as pl
 from .errors import InfeasibleBudgetError
-from .verify import measure
 
 MAX_BATCH = 1 << 20
 
@@ -226,5 +225,21 @@ def max_batch(make_workload: Callable[[int], object], optimizer, budget: int, st
                                          on_probe=lambda p, n=name: say(
                                              f"{n} batch {p.batch}: "
                                              f"{'fits' if p.fits else 'does not fit'}"))
+    # Overheads of the built-ins' answers need the no-remat FLOPs at their batch sizes:
+    # reuse what the probes compiled, compile the rest.
+    known = {p.batch: p.noremat_flops for p in planner.probes if p.noremat_flops}
+    if baselines.NO_REMAT in found:
+        known.update({p.batch: p.flops for p in found[baselines.NO_REMAT].probes})
+    for srch in found.values():
+        b = srch.best
+        if b is None:
+            continue
+        if b.batch not in known:
+            say(f"measuring the step without remat at batch {b.batch} (for overheads)")
+            wl = make_workload(b.batch)
+            known[b.batch] = baselines.measure_builtin(
+                baselines.NO_REMAT, wl.loss_fn, wl.abstract_params, wl.abstract_batch,
+                optimizer, wl.has_aux).flops
+        srch.probes[srch.probes.index(b)] = dataclasses.replace(b, noremat_flops=known[b.batch])
     return MaxBatch(budget, planner, found, time.perf_counter() - t0)
 
