@@ -550,7 +550,8 @@ def _print_frontier(fr) -> None:
     c = Table(title="planner with the budget at each built-in policy's XLA peak")
     for col in ("built-in", "its peak", "its overhead", "planner peak", "planner overhead",
                 "recompute vs policy"):
-        c.add_column(col, justify="left" if col == "built-in" else "right")
+        c.add_column(col, justify="left" if col == "built-in" else "right",
+                     no_wrap=col == "built-in")
     for cmp_ in fr.comparisons:
         rel = cmp_.relative_recompute
         c.add_row(cmp_.builtin.label, fb(cmp_.builtin.peak_bytes), pct(cmp_.builtin.overhead),
@@ -599,7 +600,7 @@ def _max_batch(args) -> int:
     console = Console()
     t = Table(title=f"largest batch size within {fb(budget)} ({budget:,} bytes), XLA-verified")
     for col in ("step", "batch size", "XLA peak", "recompute overhead", "probes"):
-        t.add_column(col, justify="left" if col == "step" else "right")
+        t.add_column(col, justify="left" if col == "step" else "right", no_wrap=col == "step")
     rows = {"remat-planner": result.planner, **result.builtins}
     for name, srch in rows.items():
         b = srch.best
