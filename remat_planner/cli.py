@@ -1,13 +1,15 @@
 """`remat-plan`: plan, verify and train from a YAML config. A thin layer over the API.
 
 Exit codes: 0 ok; 2 bad input (missing file, bad YAML, unknown model or field, bad
-budget); 3 budget infeasible (the message states the smallest feasible budget);
+budget, unwritable --out, --points below 12); 3 budget infeasible (the message states
+the smallest feasible budget; with --max-batch, infeasible even at batch size 1);
 1 unexpected internal error.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -17,8 +19,10 @@ from typing import Sequence
 EXIT_CODES = """exit codes:
   0  success
   2  bad input: missing/unreadable config, invalid YAML, unknown model type or field,
-     wrong field type, unparseable or non-positive budget, plan file mismatch
-  3  budget infeasible: below the smallest feasible plan (the message states it)
+     wrong field type, unparseable or non-positive budget, plan file mismatch,
+     unwritable --out, frontier --points below 12
+  3  budget infeasible: below the smallest feasible plan (the message states it);
+     --max-batch: no plan fits even at batch size 1
   1  unexpected internal error (please report it)"""
 
 
@@ -48,7 +52,9 @@ def _plan_parser() -> argparse.ArgumentParser:
                 "memory budget, verify the fit with XLA, and compare with JAX's built-in "
                 "checkpoint policies. Subcommands: `remat-plan explain CONFIG ...` shows "
                 "what the plan keeps and recomputes and draws memory.png; "
-                "`remat-plan train CONFIG ...` runs training steps with the plan.",
+                "`remat-plan train CONFIG ...` runs training steps with the plan; "
+                "`remat-plan frontier CONFIG --out DIR` measures the memory/recompute "
+                "frontier against JAX's built-in policies.",
                 "configs/gpt2-small.yaml")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--out", metavar="PLAN.json", help="write the plan to this file")
@@ -56,6 +62,10 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="skip compiling with XLA (no measured peaks, no policy comparison)")
     p.add_argument("--no-compare", action="store_true",
                    help="skip measuring JAX's built-in per-block policies")
+    p.add_argument("--max-batch", action="store_true",
+                   help="search for the largest batch size whose planned step fits the budget "
+                        "(and the largest without remat and with each built-in policy), every "
+                        "answer verified with XLA; --batch-size sets where the search starts")
     return p
 
 
@@ -82,6 +92,27 @@ def _explain_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _frontier_parser() -> argparse.ArgumentParser:
+    from .frontier import MIN_POINTS
+    p = argparse.ArgumentParser(
+        prog="remat-plan frontier",
+        description="Measure the memory/recompute frontier: analyse the step once, plan it "
+                    "at budgets from the smallest feasible to the no-remat peak (each plan "
+                    "verified with XLA) and at the XLA peak of each JAX built-in policy, and "
+                    "write frontier.csv, frontier.png and frontier.md to --out.",
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="YAML config, e.g. configs/gpt2-small.yaml")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="directory for frontier.csv, frontier.png, frontier.md (created)")
+    p.add_argument("--points", type=int, default=MIN_POINTS,
+                   help=f"budgets in the sweep (default and minimum {MIN_POINTS})")
+    p.add_argument("--batch-size", type=int, help="override the config's batch_size")
+    p.add_argument("--seq-len", type=int, help="override the config's seq_len")
+    p.add_argument("--json", action="store_true", help="print every point as one JSON object")
+    p.set_defaults(out_is_dir=True)
+    return p
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = _join_negative_budget(list(sys.argv[1:] if argv is None else argv))
     from .errors import RematPlannerError
@@ -92,7 +123,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv[:1] == ["train"]:
             args = _train_parser().parse_args(argv[1:])
             return _train(args)
+        if argv[:1] == ["frontier"]:
+            args = _frontier_parser().parse_args(argv[1:])
+            return _frontier(args)
         args = _plan_parser().parse_args(argv)
+        if args.max_batch:
+            return _max_batch(args)
         return _plan(args)
     except RematPlannerError as e:
         print(f"remat-plan: error: {e}", file=sys.stderr)
@@ -465,6 +501,159 @@ def _train(args) -> int:
         print(json.dumps(result))
     else:
         Console().print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps")
+    return 0
+
+
+@contextlib.contextmanager
+def _progress_bar(console, enabled: bool, total: int | None):
+    """A rich progress bar on stderr: yields step(description), which advances it by one
+    step, and say(message), which shows the pipeline's current action beside it."""
+    if not enabled:
+        yield (lambda desc: None), (lambda msg: None)
+        return
+    from rich.markup import escape
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn,
+                               TextColumn, TimeElapsedColumn)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[detail]}"),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=total, detail="")
+        started = [False]
+
+        def step(desc: str) -> None:
+            if started[0]:
+                bar.advance(task)
+            started[0] = True
+            bar.update(task, description=escape(desc), detail="")
+
+        yield step, (lambda msg: bar.update(task, detail=escape(msg)))
+        if total is not None:
+            bar.update(task, completed=total)
+
+
+def _frontier(args) -> int:
+    import os
+
+    from rich.console import Console
+
+    from . import frontier as fr_mod
+    from .config import build_workload, load_config, make_optimizer
+    from .errors import ConfigError
+
+    if args.points < fr_mod.MIN_POINTS:
+        raise ConfigError(f"--points must be at least {fr_mod.MIN_POINTS}, got {args.points}")
+    _check_writable(args.out, directory=True)
+    cfg = load_config(args.config, batch_size=args.batch_size, seq_len=args.seq_len)
+    wl, optimizer = build_workload(cfg), make_optimizer(cfg.optimizer)
+    err = Console(stderr=True)
+    with _progress_bar(err, err.is_terminal and not args.json,
+                       fr_mod.total_steps(args.points)) as (step, say):
+        fr = fr_mod.sweep(wl, optimizer, points=args.points, config=args.config,
+                          step=step, say=say)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot write --out {args.out!r}: {e.strerror or e}") from None
+    paths = {ext: os.path.join(args.out, f"frontier.{ext}") for ext in ("csv", "md", "png")}
+    command = "remat-plan frontier " + " ".join(
+        [args.config, "--out", args.out, "--points", str(args.points)]
+        + (["--batch-size", str(args.batch_size)] if args.batch_size else [])
+        + (["--seq-len", str(args.seq_len)] if args.seq_len else []))
+    fr_mod.write_csv(fr, paths["csv"])
+    fr_mod.write_markdown(fr, paths["md"], command)
+    fr_mod.plot(fr, paths["png"])
+    if args.json:
+        print(json.dumps({**fr.to_dict(), "files": paths}, indent=1))
+    else:
+        _print_frontier(fr)
+        Console().print(f"wrote {paths['csv']}, {paths['png']}, {paths['md']}")
+    return 0
+
+
+def _print_frontier(fr) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .budget import format_bytes_short as fb
+    console = Console()
+    pct = lambda x: "-" if x is None else f"{100 * x:.2f}%"
+    t = Table(title=f"frontier of {fr.config} (XLA peak, overhead by XLA FLOPs)")
+    for col in ("point", "budget", "XLA peak", "overhead", "frontier"):
+        t.add_column(col, justify="left" if col == "point" else "right")
+    for p in sorted(fr.points, key=lambda p: p.budget_bytes or 0):
+        t.add_row(p.label, fb(p.budget_bytes),
+                  fb(p.peak_bytes) if p.feasible else "infeasible", pct(p.overhead),
+                  ("knee" if p.knee else "yes") if p.on_frontier else "")
+    console.print(t)
+    c = Table(title="planner with the budget at each built-in policy's XLA peak")
+    for col in ("built-in", "its peak", "its overhead", "planner peak", "planner overhead",
+                "recompute vs policy"):
+        c.add_column(col, justify="left" if col == "built-in" else "right",
+                     no_wrap=col == "built-in")
+    for cmp_ in fr.comparisons:
+        rel = cmp_.relative_recompute
+        c.add_row(cmp_.builtin.label, fb(cmp_.builtin.peak_bytes), pct(cmp_.builtin.overhead),
+                  fb(cmp_.planner.peak_bytes) if cmp_.planner.feasible else "infeasible",
+                  pct(cmp_.planner.overhead), "-" if rel is None else f"{100 * rel:+.1f}%")
+    console.print(c)
+    console.print(f"done in {fr.seconds:.1f}s (analysis {fr.analysis_seconds:.1f}s)")
+
+
+def _max_batch(args) -> int:
+    from rich.console import Console
+
+    from . import baselines
+    from .config import build_workload, load_config
+    from .errors import ConfigError
+    from .maxbatch import max_batch
+
+    if args.no_verify:
+        raise ConfigError("--max-batch verifies every answer with XLA; drop --no-verify")
+    cfg, _, optimizer, budget = _load(args)
+    workloads: dict = {}
+
+    def make_workload(batch: int):
+        if batch not in workloads:
+            workloads[batch] = build_workload(load_config(args.config, batch_size=batch,
+                                                          seq_len=args.seq_len))
+        return workloads[batch]
+
+    err = Console(stderr=True)
+    names = () if args.no_compare else baselines.NAMES
+    with _progress_bar(err, err.is_terminal and not args.json, 1 + len(names)) as (step, say):
+        result = max_batch(make_workload, optimizer, budget, cfg.batch_size, say=say, step=step,
+                           builtins=names)
+    best = result.planner.best
+    if args.out and best is not None and best.plan is not None:
+        with open(args.out, "w") as f:
+            f.write(best.plan.to_json())
+    report = {"config": str(cfg.type), "model": {k: v for k, v in make_workload(
+        result.planner.batch).info.items()}, **result.to_dict()}
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    from rich.table import Table
+
+    from .budget import format_bytes_short as fb
+    console = Console()
+    t = Table(title=f"largest batch size within {fb(budget)} ({budget:,} bytes), XLA-verified")
+    for col in ("step", "batch size", "XLA peak", "recompute overhead", "probes"):
+        t.add_column(col, justify="left" if col == "step" else "right", no_wrap=col == "step")
+    rows = {"remat-planner": result.planner, **result.builtins}
+    for name, srch in rows.items():
+        b = srch.best
+        probes = ", ".join(f"{p.batch}{'' if p.fits else 'x'}" for p in srch.probes)
+        t.add_row(name, str(srch.batch), fb(b.peak_bytes) if b else "nothing fits",
+                  "-" if b is None or b.overhead is None else f"{100 * b.overhead:.2f}%", probes)
+    console.print(t)
+    nr = result.builtins.get(baselines.NO_REMAT)
+    if nr is not None:
+        ratio = (f"{result.planner.batch / nr.batch:.1f}x" if nr.batch else
+                 "no remat fits no batch at all")
+        console.print(f"planned batch {result.planner.batch} vs {nr.batch} without remat: {ratio}")
+    if args.out and best is not None:
+        console.print(f"plan for batch size {best.batch} written to {args.out}")
+    console.print(f"probes marked x do not fit; done in {result.seconds:.1f}s")
     return 0
 
 

@@ -52,6 +52,10 @@ class Analysis:
     # are the values produced by collectives, kept by every checkpoint.
     sharding: "ShardingSpec | None" = None
     pinned: frozenset = frozenset()
+    # XLA measurements of plans of this step, by (segments, optimizer): planning the same
+    # analysis at several budgets (a frontier sweep) meets the same plans again, and a
+    # compile is the expensive part of verifying one.
+    verified: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def noremat_predicted_peak(self) -> int:
@@ -275,7 +279,6 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     say = progress or (lambda msg: None)
     an = analysis or analyze(loss_fn, params, batch, optimizer, calibrate=verify, progress=say,
                              has_aux=has_aux, mesh=mesh, sharding=sharding)
-    spec = an.sharding
     has_aux = an.program.has_aux
     overhead = an.fixed.total + an.calibration_bytes
     solver = ChainSolver(an.chain, max(an.noremat_activation_bytes, budget_bytes - overhead, 1))
@@ -307,7 +310,7 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     for round_ in range(max_rounds):
         p = _make_plan(an, solution, budget_bytes, params, batch, correction)
         say(f"verifying with XLA (round {round_ + 1})")
-        m = measure(p.apply(loss_fn), params, batch, optimizer, has_aux, sharding=spec)
+        m = _measure_plan(an, p, loss_fn, params, batch, optimizer)
         if m.communication is not None:
             p = dataclasses.replace(p, metadata={**p.metadata, "communication": m.communication})
         lowest_peak = m.peak_bytes if lowest_peak is None else min(lowest_peak, m.peak_bytes)
@@ -387,7 +390,7 @@ def _probe_cheaper(an: Analysis, solver: ChainSolver, best: Plan, budget_bytes: 
         p = _make_plan(an, solution, budget_bytes, params, batch, error)
         say(f"verifying a cheaper plan the model puts {p.predicted_peak_bytes - budget_bytes:+d} "
             "bytes from the budget (probe)")
-        m = measure(p.apply(loss_fn), params, batch, optimizer, has_aux, sharding=an.sharding)
+        m = _measure_plan(an, p, loss_fn, params, batch, optimizer)
         if m.peak_bytes > budget_bytes:
             break
         if m.flops < best.measured_flops:
@@ -396,6 +399,20 @@ def _probe_cheaper(an: Analysis, solver: ChainSolver, best: Plan, budget_bytes: 
             best = dataclasses.replace(p, measured_peak_bytes=m.peak_bytes, measured_flops=m.flops,
                                        metadata=meta)
     return best, probes
+
+
+def _measure_plan(an: Analysis, p: Plan, loss_fn, params, batch, optimizer) -> Measurement:
+    """XLA's figures for plan `p` of the analysed step, compiled once per analysis."""
+    try:
+        key = (p.segments, optimizer)
+        hash(key)
+    except TypeError:  # an optimizer that cannot be a dict key: no reuse
+        return measure(p.apply(loss_fn), params, batch, optimizer, an.program.has_aux,
+                       sharding=an.sharding)
+    if key not in an.verified:
+        an.verified[key] = measure(p.apply(loss_fn), params, batch, optimizer,
+                                   an.program.has_aux, sharding=an.sharding)
+    return an.verified[key]
 
 
 def _make_plan(an: Analysis, solution, budget_bytes: int, params, batch, correction: int) -> Plan:

@@ -1,0 +1,424 @@
+"""The memory/recompute frontier of one step: the planner across budgets next to JAX's
+built-in policies, all measured in one run through the same path.
+
+`sweep()` analyses the step once (planner.analyze, calibrated), measures every built-in
+comparison point (baselines.py), plans at budgets spaced geometrically from the smallest
+feasible one to the no-remat peak, and plans again at each built-in point's XLA peak.
+Every plan is verified by the closed loop (planner.plan compiles it); every figure is
+verify.measure's: XLA's memory_analysis peak and the FLOPs of the donated optimizer step
+compiled with the CPU option that keeps remat. Overhead is (FLOPs - no-remat FLOPs) /
+no-remat FLOPs.
+
+Writers: `write_csv`, `write_markdown`, `plot` (matplotlib, Agg). A row is
+`Point.row()`; a later column (e.g. predicted time) is one more field there and in
+`CSV_COLUMNS`.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import math
+import time
+from typing import Callable, Sequence
+
+import jax
+
+from . import baselines
+from . import planner as pl
+from .budget import format_bytes_short as fb
+from .errors import InfeasibleBudgetError
+from .verify import measure
+
+MIN_POINTS = 12
+
+Step = Callable[[str], None]
+
+
+@dataclasses.dataclass
+class Point:
+    """One measured configuration of the step."""
+
+    kind: str                         # "planner" or "builtin"
+    label: str                        # builtin name, "sweep i/N" or "at <builtin> peak"
+    budget_bytes: int | None          # planner: the budget it was planned for
+    peak_bytes: int | None            # XLA's peak (None: infeasible)
+    flops: float | None               # XLA FLOPs of the step (scan bodies counted per iteration)
+    noremat_flops: float
+    predicted_peak_bytes: int | None = None
+    predicted_overhead: float | None = None   # the planner's cost model, fraction
+    verify_rounds: int | None = None
+    plan: str = ""                    # the plan's top-level segments / the builtin's grouping
+    note: str = ""
+    min_feasible_bytes: int | None = None     # infeasible planner point: what the error named
+    on_frontier: bool = False
+    knee: bool = False
+
+    @property
+    def feasible(self) -> bool:
+        return self.peak_bytes is not None
+
+    @property
+    def recompute_flops(self) -> float | None:
+        return None if self.flops is None else self.flops - self.noremat_flops
+
+    @property
+    def overhead(self) -> float | None:
+        """Recompute FLOPs as a fraction of the step without remat (XLA's counts)."""
+        return None if self.flops is None else (self.flops - self.noremat_flops) / self.noremat_flops
+
+    def row(self) -> dict:
+        pct = lambda x: "" if x is None else f"{100 * x:.4f}"
+        return {
+            "kind": self.kind, "label": self.label,
+            "budget_bytes": "" if self.budget_bytes is None else self.budget_bytes,
+            "xla_peak_bytes": "" if self.peak_bytes is None else self.peak_bytes,
+            "predicted_peak_bytes": "" if self.predicted_peak_bytes is None
+            else self.predicted_peak_bytes,
+            "flops": "" if self.flops is None else repr(float(self.flops)),
+            "recompute_flops": "" if self.flops is None else repr(float(self.recompute_flops)),
+            "overhead_pct": pct(self.overhead),
+            "predicted_overhead_pct": pct(self.predicted_overhead),
+            "verify_rounds": "" if self.verify_rounds is None else self.verify_rounds,
+            "on_frontier": int(self.on_frontier), "knee": int(self.knee),
+            "plan": self.plan, "note": self.note,
+        }
+
+
+CSV_COLUMNS = tuple(Point("", "", None, None, None, 1.0).row())
+
+
+@dataclasses.dataclass
+class Comparison:
+    """The planner with the budget set to one built-in point's XLA peak."""
+
+    builtin: Point
+    planner: Point
+
+    @property
+    def relative_recompute(self) -> float | None:
+        """(planner recompute - policy recompute) / policy recompute; < 0: planner lower."""
+        pol, mine = self.builtin.recompute_flops, self.planner.recompute_flops
+        if mine is None or pol is None or pol <= 0:
+            return None
+        return (mine - pol) / pol
+
+    @property
+    def planner_not_worse(self) -> bool | None:
+        """Planner peak <= budget and planner recompute <= the policy's."""
+        if not self.planner.feasible:
+            return False
+        return (self.planner.peak_bytes <= self.builtin.peak_bytes
+                and self.planner.recompute_flops <= self.builtin.recompute_flops)
+
+
+@dataclasses.dataclass
+class Frontier:
+    config: str
+    model: dict
+    noremat: Point
+    points: list[Point]            # planner points, sweep then comparisons
+    builtins: list[Point]
+    comparisons: list[Comparison]
+    seconds: float
+    analysis_seconds: float
+    jax_version: str = jax.__version__
+    date: str = dataclasses.field(
+        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).strftime(
+            "%Y-%m-%d %H:%M UTC"))
+
+    @property
+    def frontier(self) -> list[Point]:
+        """Planner points on the frontier, one per (peak, overhead), by peak ascending."""
+        seen = {}
+        for p in self.points:
+            if p.on_frontier:
+                seen.setdefault((p.peak_bytes, p.overhead), p)
+        return [seen[k] for k in sorted(seen)]
+
+    @property
+    def knee(self) -> Point | None:
+        return next((p for p in self.points if p.knee), None)
+
+    def to_dict(self) -> dict:
+        return {
+            "config": self.config, "model": self.model, "jax_version": self.jax_version,
+            "date": self.date, "seconds": round(self.seconds, 1),
+            "analysis_seconds": round(self.analysis_seconds, 1),
+            "no_remat": self.noremat.row(),
+            "points": [p.row() for p in self.points],
+            "builtins": [p.row() for p in self.builtins],
+            "comparisons": [{"builtin": c.builtin.label, "budget_bytes": c.builtin.peak_bytes,
+                             "policy_overhead_pct": 100 * c.builtin.overhead,
+                             "planner_peak_bytes": c.planner.peak_bytes,
+                             "planner_overhead_pct": None if c.planner.overhead is None
+                             else 100 * c.planner.overhead,
+                             "relative_recompute": c.relative_recompute,
+                             "planner_not_worse": c.planner_not_worse}
+                            for c in self.comparisons],
+        }
+
+
+def sweep_budgets(low: int, high: int, n: int) -> list[int]:
+    """n budgets from low to high (both included), geometrically spaced: the overhead
+    changes fastest near the smallest feasible budget."""
+    if n < 2 or high <= low:
+        return [low] * max(n, 1)
+    r = math.log(high / low)
+    out = [int(round(low * math.exp(r * i / (n - 1)))) for i in range(n)]
+    out[0], out[-1] = low, high
+    return out
+
+
+def _plan_point(wl, optimizer, an, budget: int, label: str, noremat_flops: float,
+                say) -> Point:
+    try:
+        p = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer,
+                    analysis=an, progress=say)
+    except InfeasibleBudgetError as e:
+        return Point("planner", label, budget, None, None, noremat_flops,
+                     note=f"infeasible: smallest feasible {e.min_feasible_bytes:,} bytes",
+                     min_feasible_bytes=e.min_feasible_bytes)
+    return Point("planner", label, budget, p.measured_peak_bytes, p.measured_flops,
+                 noremat_flops, predicted_peak_bytes=p.predicted_peak_bytes,
+                 predicted_overhead=p.recompute_overhead,
+                 verify_rounds=p.metadata.get("verify_rounds"), plan=_summary(p.segments))
+
+
+def _summary(segments) -> str:
+    parts = []
+    for s in segments:
+        text = f"{s.start}-{s.stop - 1}:{s.option}"
+        if s.children:
+            text += "(" + " ".join(_summary([c]) for c in s.children) + ")"
+        parts.append(text)
+    return " ".join(parts)
+
+
+def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
+          step: Step | None = None, say: Callable[[str], None] | None = None) -> Frontier:
+    """Measure the frontier of workload `wl`'s step (see the module docstring).
+
+    step(description) is called at the start of each of `total_steps(points)` steps;
+    say(message) relays the pipeline's finer progress.
+    """
+    if points < MIN_POINTS:
+        from .errors import ConfigError
+        raise ConfigError(f"--points must be at least {MIN_POINTS}, got {points}")
+    step = step or (lambda d: None)
+    say = say or (lambda m: None)
+    P, B = wl.abstract_params, wl.abstract_batch
+    t0 = time.perf_counter()
+    step("analysing the step (trace, profile, calibrate)")
+    an = pl.analyze(wl.loss_fn, P, B, optimizer, progress=say, has_aux=wl.has_aux)
+    analysis_seconds = time.perf_counter() - t0
+    nr = an.noremat
+    nf = nr.flops
+    noremat = Point("builtin", baselines.NO_REMAT, None, nr.peak_bytes, nr.flops, nf,
+                    plan="no checkpoint")
+    builtins = [noremat]
+    for name in baselines.NAMES[1:]:
+        step(f"measuring built-in: {name}")
+        if name == baselines.SQRT_N:
+            loss, how = baselines.sqrt_grouping_loss(wl.loss_fn, P, B, wl.has_aux)
+        else:
+            loss, how = baselines.builtin_loss(name, wl.loss_fn, P, B, wl.has_aux), "per block"
+        m = measure(loss, P, B, optimizer, wl.has_aux)
+        builtins.append(Point("builtin", name, None, m.peak_bytes, m.flops, nf, plan=how))
+
+    # The low end: the model's smallest feasible budget; when XLA finds the plan over it,
+    # the error names a verified-or-lowest-measured peak to try instead (twice at most).
+    low, high = an.min_feasible_budget(), nr.peak_bytes
+    budgets = sweep_budgets(low, high, points)
+    planned: list[Point] = []
+    for i in range(points):
+        b = budgets[i]
+        step(f"planning at {fb(b)} ({i + 1}/{points})")
+        label = f"sweep {i + 1}/{points}"
+        pt = _plan_point(wl, optimizer, an, b, label, nf, say)
+        if i == 0:
+            for _ in range(2):
+                retry = pt.min_feasible_bytes
+                if pt.feasible or retry is None or retry <= pt.budget_bytes or retry >= high:
+                    break
+                say(f"XLA's smallest feasible budget is above the model's; trying {fb(retry)}")
+                pt = _plan_point(wl, optimizer, an, retry, label, nf, say)
+            if pt.feasible and pt.budget_bytes != low:
+                # Respace the rest of the sweep from the verified low end.
+                budgets = sweep_budgets(pt.budget_bytes, high, points)
+        planned.append(pt)
+
+    comparisons = []
+    for b in builtins[1:]:
+        step(f"planning at the {b.label} peak ({fb(b.peak_bytes)})")
+        pt = _plan_point(wl, optimizer, an, b.peak_bytes, f"at {b.label} peak", nf, say)
+        planned.append(pt)
+        comparisons.append(Comparison(b, pt))
+    mark_frontier(planned)
+    return Frontier(config, {**wl.info, "param_count": wl.param_count}, noremat, planned,
+                    builtins, comparisons, time.perf_counter() - t0, analysis_seconds)
+
+
+def total_steps(points: int) -> int:
+    """Steps sweep() reports: analysis, built-ins but no remat, sweep, comparisons."""
+    return 1 + (len(baselines.NAMES) - 1) + points + (len(baselines.NAMES) - 1)
+
+
+def mark_frontier(points: Sequence[Point]) -> None:
+    """Mark the Pareto-optimal feasible points and the knee among them.
+
+    A point is on the frontier when no other feasible point has a lower-or-equal peak
+    with lower overhead, or a lower peak with equal-or-lower overhead (the same plan met
+    at several budgets is on the frontier at each).
+
+    The knee is where memory stops being cheap: along the frontier from its top (the
+    highest peak), the memory dropped so far, as a share of the frontier's memory range,
+    minus the overhead added so far, as a share of its overhead range, is largest there.
+    Before the knee each percentage point of overhead buys more memory than the
+    frontier's average (range over range), after it less. (The plain ratio "memory drop
+    / overhead" is no use as a criterion: it is largest for the first tiny steps near 0%.)
+    """
+    feasible = [p for p in points if p.feasible]
+    for p in points:
+        p.on_frontier = p.knee = False
+    for p in feasible:
+        p.on_frontier = not any(
+            (q.peak_bytes <= p.peak_bytes and q.overhead < p.overhead)
+            or (q.peak_bytes < p.peak_bytes and q.overhead <= p.overhead) for q in feasible)
+    front = [p for p in feasible if p.on_frontier]
+    if len(front) < 2:
+        return
+    knee = max(front, key=lambda p: (knee_score(front, p), -p.peak_bytes))
+    if knee_score(front, knee) > 0:
+        knee.knee = True
+
+
+def knee_score(front: Sequence[Point], p: Point) -> float:
+    """Memory dropped from the frontier's top minus overhead added, each as a share of
+    the frontier's range (see mark_frontier)."""
+    top = max(front, key=lambda q: (q.peak_bytes, -q.overhead))
+    mem_range = top.peak_bytes - min(q.peak_bytes for q in front)
+    ov_range = max(q.overhead for q in front) - top.overhead
+    if mem_range <= 0 or ov_range <= 0:
+        return 0.0
+    return ((top.peak_bytes - p.peak_bytes) / mem_range
+            - (p.overhead - top.overhead) / ov_range)
+
+
+# ---------------------------------------------------------------------------------------
+# Writers
+# ---------------------------------------------------------------------------------------
+
+def write_csv(fr: Frontier, path: str) -> None:
+    """Every measured point: the planner's (sweep and at each built-in peak) and the
+    built-ins', one row each."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w.writeheader()
+        for p in fr.points + fr.builtins:
+            w.writerow(p.row())
+
+
+def _pct(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def _peak(p: Point) -> str:
+    return "infeasible" if p.peak_bytes is None else f"{fb(p.peak_bytes)} ({p.peak_bytes:,})"
+
+
+def markdown(fr: Frontier, command: str = "") -> str:
+    m = fr.model
+    lines = [f"# Memory / recompute frontier: {fr.config}", ""]
+    facts = ", ".join(f"{k} {v}" for k, v in m.items())
+    lines += [f"- model: {facts}",
+              f"- jax {fr.jax_version}, {fr.date}; {fr.seconds:.0f} s in all "
+              f"(analysis {fr.analysis_seconds:.0f} s)",
+              "- every figure measured in this run: XLA memory_analysis peak (argument + "
+              "output - alias + temp) and FLOPs of the donated AdamW step, compiled with "
+              "`xla_disable_hlo_passes=cse_barrier_expander`; overhead = extra FLOPs / "
+              f"FLOPs without remat ({fr.noremat.flops:.4g})"]
+    if command:
+        lines.append(f"- command: `{command}`")
+    knee = fr.knee
+    if knee is not None:
+        lines.append(f"- **knee** (where a further percentage point of overhead starts to "
+                     f"buy less memory than the frontier's average): {knee.label}, XLA peak "
+                     f"{fb(knee.peak_bytes)} at {_pct(knee.overhead)} overhead")
+    lines += ["", "## Planner points", "",
+              "| point | budget | XLA peak | predicted peak | overhead (XLA FLOPs) "
+              "| predicted overhead | rounds | frontier | plan |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for p in sorted(fr.points, key=lambda p: (p.budget_bytes or 0)):
+        mark = ("**knee**" if p.knee else "yes") if p.on_frontier else ""
+        lines.append(
+            f"| {p.label} | {fb(p.budget_bytes)} | {_peak(p)} | "
+            f"{'-' if p.predicted_peak_bytes is None else fb(p.predicted_peak_bytes)} | "
+            f"{_pct(p.overhead)} | {_pct(p.predicted_overhead)} | {p.verify_rounds or '-'} | "
+            f"{mark} | {p.plan or p.note} |")
+    lines += ["", "## JAX built-in policies (same step, same measurement)", "",
+              "| policy | how | XLA peak | overhead (XLA FLOPs) |", "|---|---|---|---|"]
+    for p in fr.builtins:
+        lines.append(f"| {p.label} | {p.plan} | {_peak(p)} | {_pct(p.overhead)} |")
+    lines += ["", "## Planner with the budget at each built-in policy's XLA peak", "",
+              "| built-in | budget = its XLA peak | its overhead | planner XLA peak "
+              "| planner overhead | planner recompute vs policy | planner <= policy |",
+              "|---|---|---|---|---|---|---|"]
+    for c in fr.comparisons:
+        rel = c.relative_recompute
+        lines.append(
+            f"| {c.builtin.label} | {fb(c.builtin.peak_bytes)} | {_pct(c.builtin.overhead)} | "
+            f"{_peak(c.planner)} | {_pct(c.planner.overhead)} | "
+            f"{'-' if rel is None else f'{100 * rel:+.1f}%'} | "
+            f"{'yes' if c.planner_not_worse else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(fr: Frontier, path: str, command: str = "") -> None:
+    with open(path, "w") as f:
+        f.write(markdown(fr, command))
+
+
+def plot(fr: Frontier, path: str) -> None:
+    """x = XLA peak (GB, or MB below 1 GB), y = overhead %: the planner's frontier as a step line (the
+    least overhead measured at or below each peak), its other points faint, every built-in
+    as a labelled point, the knee starred."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    top = max(p.peak_bytes for p in fr.builtins + [q for q in fr.points if q.feasible])
+    gb, unit = (1e9, "GB") if top >= 1e9 else (1e6, "MB")
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    front = fr.frontier
+    xs = [p.peak_bytes / gb for p in front]
+    ys = [100 * p.overhead for p in front]
+    if front:
+        # Step line: at peak x the least overhead is that of the last frontier point at
+        # or below x; it extends right to the no-remat peak.
+        right = max(fr.noremat.peak_bytes / gb, xs[-1])
+        ax.step(xs + [right], ys + [ys[-1]], where="post", color="tab:blue", lw=2,
+                label="remat-planner frontier (XLA-verified)")
+        ax.plot(xs, ys, "o", color="tab:blue", ms=5)
+    off = [p for p in fr.points if p.feasible and not p.on_frontier]
+    if off:
+        ax.plot([p.peak_bytes / gb for p in off], [100 * p.overhead for p in off], "o",
+                color="tab:blue", alpha=0.3, ms=4, label="planner, dominated")
+    colors = ["black", "tab:red", "tab:green", "tab:orange", "tab:purple", "tab:brown"]
+    for p, c in zip(fr.builtins, colors):
+        ax.plot(p.peak_bytes / gb, 100 * p.overhead, "s", color=c, ms=8)
+        ax.annotate(p.label, (p.peak_bytes / gb, 100 * p.overhead), textcoords="offset points",
+                    xytext=(6, 6), fontsize=8, color=c)
+    knee = fr.knee
+    if knee is not None:
+        ax.plot(knee.peak_bytes / gb, 100 * knee.overhead, "*", color="gold", ms=18,
+                markeredgecolor="black", label="knee", zorder=5)
+    ax.set_xlabel(f"XLA peak of the training step ({unit})")
+    ax.set_ylabel("recompute overhead (% of FLOPs without remat)")
+    ax.set_title(f"{fr.config}: memory vs recompute (jax {fr.jax_version})")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

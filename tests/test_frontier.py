@@ -1,0 +1,308 @@
+"""`remat-plan frontier` and `--max-batch` (issue 3): files, frontier shape, knee, every
+planner point within its budget by XLA, the built-in points, the max-batch search and the
+one-line errors.
+
+One frontier run on gpt2-tiny (module fixture) feeds the file and frontier tests; one
+max-batch search on gpt2-tiny feeds the max-batch tests. Both are real XLA-verified runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from remat_planner import Plan, baselines
+from remat_planner.cli import main
+from remat_planner.config import build_workload, load_config, make_optimizer
+from remat_planner.frontier import MIN_POINTS, sweep_budgets
+from remat_planner.maxbatch import Probe, builtin_probe, largest_fitting
+from remat_planner.verify import measure
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "gpt2-tiny.yaml")
+BUDGET = 14_000_000  # max-batch budget for the two-layer config: a handful of probes
+
+
+@pytest.fixture(scope="module")
+def two_layer(tmp_path_factory):
+    """gpt2-tiny with 2 blocks: the same code paths at half the compile time."""
+    text = Path(TINY).read_text()
+    assert "n_layer: 4" in text
+    path = tmp_path_factory.mktemp("cfg") / "gpt2-two.yaml"
+    path.write_text(text.replace("n_layer: 4", "n_layer: 2"))
+    return str(path)
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def frontier_run(tmp_path_factory, two_layer):
+    out = tmp_path_factory.mktemp("frontier") / "out"
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(["frontier", two_layer, "--out", str(out), "--json"])
+    assert code == 0, stderr.getvalue()
+    report = json.loads(stdout.getvalue())
+    with open(out / "frontier.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return report, rows, out
+
+
+def _planner(rows):
+    return [r for r in rows if r["kind"] == "planner"]
+
+
+def _feasible(rows):
+    return [r for r in _planner(rows) if r["xla_peak_bytes"]]
+
+
+def test_writes_three_files(frontier_run):
+    report, rows, out = frontier_run
+    assert sorted(p.name for p in out.iterdir()) == ["frontier.csv", "frontier.md", "frontier.png"]
+    assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "frontier.png").stat().st_size > 10_000
+    md = (out / "frontier.md").read_text()
+    for name in baselines.NAMES:
+        assert name in md
+    assert "**knee**" in md
+    assert report["files"]["csv"].endswith("frontier.csv")
+
+
+def test_at_least_12_sweep_points_all_within_budget(frontier_run):
+    report, rows, _ = frontier_run
+    sweep = [r for r in _planner(rows) if r["label"].startswith("sweep")]
+    assert len(sweep) >= MIN_POINTS
+    assert all(r["xla_peak_bytes"] for r in sweep), "a sweep point was infeasible"
+    budgets = [int(r["budget_bytes"]) for r in sweep]
+    assert budgets == sorted(budgets) and len(set(budgets)) == len(budgets)
+    # The sweep ends at the no-remat peak, measured in the same run.
+    noremat = next(r for r in rows if r["label"] == baselines.NO_REMAT)
+    assert budgets[-1] == int(noremat["xla_peak_bytes"])
+    for r in _feasible(rows):
+        assert int(r["xla_peak_bytes"]) <= int(r["budget_bytes"]), r["label"]
+
+
+def test_frontier_is_monotone_and_undominated(frontier_run):
+    _, rows, _ = frontier_run
+    pts = [(int(r["xla_peak_bytes"]), float(r["overhead_pct"]), r["on_frontier"] == "1")
+           for r in _feasible(rows)]
+    front = sorted({(p, o) for p, o, on in pts if on})
+    assert len(front) >= 3
+    # Overhead strictly decreases as the peak grows along the frontier.
+    assert all(o1 > o2 for (_, o1), (_, o2) in zip(front, front[1:])), front
+    # No measured point beats a frontier point; every other point is beaten by one.
+    for p, o, on in pts:
+        beaten = any((q <= p and qo < o) or (q < p and qo <= o) for q, qo, _ in pts)
+        assert beaten != on, (p, o, on)
+        if not on:  # beaten by a frontier point in particular
+            assert any((q <= p and qo < o) or (q < p and qo <= o) for q, qo in front)
+    # The frontier reaches (about) zero overhead at its top.
+    assert abs(front[-1][1]) < 0.5
+
+
+def test_knee_is_marked_where_memory_stops_being_cheap(frontier_run):
+    report, rows, _ = frontier_run
+    knees = [r for r in rows if r["knee"] == "1"]
+    assert len(knees) == 1 and knees[0]["on_frontier"] == "1"
+    front = {(int(r["xla_peak_bytes"]), float(r["overhead_pct"]))
+             for r in _feasible(rows) if r["on_frontier"] == "1"}
+    top = max(front, key=lambda f: (f[0], -f[1]))
+    lowest = min(f[0] for f in front)
+    highest = max(f[1] for f in front)
+    score = lambda f: (top[0] - f[0]) / (top[0] - lowest) - (f[1] - top[1]) / (highest - top[1])
+    knee = (int(knees[0]["xla_peak_bytes"]), float(knees[0]["overhead_pct"]))
+    assert score(knee) == pytest.approx(max(map(score, front)), abs=1e-6)
+    assert lowest < knee[0] < top[0]  # strictly inside: neither end of the frontier
+    assert [p["label"] for p in report["points"] if p["knee"]] == [knees[0]["label"]]
+
+
+def test_builtin_points_and_comparison_at_their_peaks(frontier_run):
+    report, rows, _ = frontier_run
+    builtin = {r["label"]: r for r in rows if r["kind"] == "builtin"}
+    assert set(builtin) == set(baselines.NAMES)
+    assert float(builtin[baselines.NO_REMAT]["overhead_pct"]) == 0.0
+    noremat_peak = int(builtin[baselines.NO_REMAT]["xla_peak_bytes"])
+    for name in baselines.NAMES[1:]:
+        # Every built-in policy trades memory for recompute on this model.
+        assert int(builtin[name]["xla_peak_bytes"]) < noremat_peak, name
+        assert float(builtin[name]["overhead_pct"]) > 0, name
+    comps = {c["builtin"]: c for c in report["comparisons"]}
+    assert set(comps) == set(baselines.NAMES[1:])
+    for name, c in comps.items():
+        assert c["budget_bytes"] == int(builtin[name]["xla_peak_bytes"])
+        if c["planner_peak_bytes"] is not None:
+            assert c["planner_peak_bytes"] <= c["budget_bytes"]
+            row = next(r for r in rows if r["label"] == f"at {name} peak")
+            pol = float(builtin[name]["recompute_flops"])
+            mine = float(row["recompute_flops"])
+            assert c["relative_recompute"] == pytest.approx((mine - pol) / pol, rel=1e-4)
+
+
+def test_sweep_budgets_are_geometric_and_span_the_range():
+    b = sweep_budgets(1000, 64000, 13)
+    assert b[0] == 1000 and b[-1] == 64000 and len(b) == 13
+    ratios = [y / x for x, y in zip(b, b[1:])]
+    assert max(ratios) - min(ratios) < 0.01
+
+
+# ------------------------------------------------------------------------------------------
+# --max-batch
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fixed,per,budget,start", [
+    (2e9, 3.2e9, 12e9, 8), (2e9, 0.51e9, 12e9, 8), (1, 1, 5.5, 1), (0, 1, 1000.5, 3),
+    (10, 7, 100, 64)])
+def test_search_finds_the_boundary(fixed, per, budget, start):
+    rng = random.Random(0)
+    calls = []
+
+    def probe(b):
+        calls.append(b)
+        need = fixed + per * b
+        noisy = need * (1 + 0.01 * rng.random())  # what a probe reports is not exactly affine
+        return Probe(b, need <= budget, int(noisy), int(need))
+
+    s = largest_fitting(probe, start, int(budget))
+    truth = int((budget - fixed) // per)
+    assert s.batch == truth
+    assert s.probe(truth + 1) is not None and not s.probe(truth + 1).fits
+    assert len(calls) == len(set(calls)) and len(calls) <= 12
+
+
+def test_search_reports_nothing_when_batch_1_does_not_fit():
+    s = largest_fitting(lambda b: Probe(b, False, 100 * b, 100 * b), 4, 50)
+    assert s.best is None and s.batch == 0 and s.probe(1) is not None
+
+
+@pytest.fixture(scope="module")
+def max_batch_run(two_layer, tmp_path_factory):
+    """`remat-plan CONFIG --budget B --max-batch --no-compare --json --out plan.json`."""
+    out = tmp_path_factory.mktemp("maxbatch") / "plan.json"
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main([two_layer, "--budget", str(BUDGET), "--max-batch", "--no-compare",
+                     "--json", "--out", str(out)])
+    assert code == 0, stderr.getvalue()
+    return json.loads(stdout.getvalue()), out, two_layer
+
+
+def test_max_batch_fits_and_the_next_does_not(max_batch_run):
+    report, out, cfg_path = max_batch_run
+    planner = report["planner"]
+    probes = {p["batch_size"]: p for p in planner["probes"]}
+    batch = planner["batch_size"]
+    assert batch >= 1 and probes[batch]["fits"]
+    assert planner["xla_peak_bytes"] <= BUDGET and planner["overhead"] >= 0
+    assert batch + 1 in probes and not probes[batch + 1]["fits"]
+    assert all(p["fits"] == (b <= batch) for b, p in probes.items())  # the search is consistent
+    assert report["model"]["batch_size"] == batch
+    assert report["builtin_policies"] == {}  # --no-compare
+    # The plan written for that batch, applied to the step and compiled again by XLA.
+    cfg = load_config(cfg_path, batch_size=batch)
+    wl = build_workload(cfg)
+    plan = Plan.from_json(out.read_text())
+    m = measure(plan.apply(wl.loss_fn), wl.abstract_params, wl.abstract_batch,
+                make_optimizer(cfg.optimizer))
+    assert m.peak_bytes == planner["xla_peak_bytes"] <= BUDGET
+
+
+def test_max_batch_without_remat_is_smaller_and_tight(max_batch_run):
+    report, _, cfg_path = max_batch_run
+    cfg = load_config(cfg_path)
+    make = lambda b: build_workload(load_config(cfg_path, batch_size=b))
+    nr = largest_fitting(builtin_probe(baselines.NO_REMAT, make, make_optimizer(cfg.optimizer),
+                                       BUDGET), cfg.batch_size, BUDGET)
+    assert 1 <= nr.batch < report["planner"]["batch_size"]
+    assert nr.best.peak_bytes <= BUDGET < nr.probe(nr.batch + 1).peak_bytes
+
+
+# ------------------------------------------------------------------------------------------
+# Errors: one line, documented exit code, no traceback
+# ------------------------------------------------------------------------------------------
+
+def _one_line(err: str) -> str:
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    assert lines[0].startswith("remat-plan: error: ")
+    return lines[0]
+
+
+def test_points_below_12_exit_2(capsys, tmp_path):
+    code, _, err = run(capsys, "frontier", TINY, "--out", tmp_path / "f", "--points", "5")
+    assert code == 2
+    assert "--points must be at least 12, got 5" in _one_line(err)
+
+
+@pytest.mark.parametrize("under_a_file", [False, True])
+def test_bad_out_exits_2_before_planning(capsys, tmp_path, under_a_file):
+    file = tmp_path / "file.txt"
+    file.write_text("x")
+    code, stdout, err = run(capsys, "frontier", TINY, "--out",
+                            file / "sub" if under_a_file else file)
+    assert code == 2 and stdout == ""
+    assert "cannot write --out" in _one_line(err)
+
+
+def test_max_batch_infeasible_at_batch_1_exits_3(capsys):
+    code, _, err = run(capsys, TINY, "--budget", "1MB", "--max-batch", "--batch-size", "1")
+    assert code == 3
+    line = _one_line(err)
+    assert "even at batch size 1" in line and "raise --budget to at least" in line
+
+
+def test_max_batch_refuses_no_verify(capsys):
+    code, _, err = run(capsys, TINY, "--budget", "20MB", "--max-batch", "--no-verify")
+    assert code == 2
+    assert "--max-batch verifies every answer with XLA" in _one_line(err)
+
+
+def test_frontier_help_lists_exit_codes(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["frontier", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: remat-plan frontier") and "exit codes:" in out
+    assert "--points below 12" in out
+
+
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
+def test_sqrt_n_grouping_is_exact_and_saves_memory(tmp_path, scan_layers):
+    """The sqrt(n) comparison point computes the same loss and gradients, and (scanned) its
+    XLA peak is below the step without remat."""
+    import jax
+    import numpy as np
+
+    cfg_path = tmp_path / "four.yaml"
+    cfg_path.write_text(Path(TINY).read_text()
+                        .replace("scan_layers: false", f"scan_layers: {str(scan_layers).lower()}")
+                        .replace("d_model: 128", "d_model: 32").replace("vocab_size: 512",
+                                                                        "vocab_size: 64"))
+    cfg = load_config(cfg_path, batch_size=2, seq_len=16)
+    wl = build_workload(cfg)
+    loss, how = baselines.sqrt_grouping_loss(wl.loss_fn, wl.abstract_params, wl.abstract_batch)
+    assert ("scan of 4 layers in 2" if scan_layers else "4 blocks in 2") in how
+    key = jax.random.key(0)
+    params, batch = wl.init_params(key), wl.synthetic_batch(key)
+    opts = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+    want = jax.jit(jax.value_and_grad(wl.loss_fn), compiler_options=opts)(params, *batch)
+    got = jax.jit(jax.value_and_grad(loss), compiler_options=opts)(params, *batch)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+    if not scan_layers:
+        return  # the unrolled grouping's XLA figures are checked by the frontier run
+    opt = make_optimizer(cfg.optimizer)
+    plain = measure(wl.loss_fn, wl.abstract_params, wl.abstract_batch, opt)
+    grouped = measure(loss, wl.abstract_params, wl.abstract_batch, opt)
+    assert grouped.peak_bytes < plain.peak_bytes
+    assert grouped.flops > plain.flops
