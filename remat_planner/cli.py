@@ -32,6 +32,9 @@ def _parser(prog: str, description: str, example: str) -> argparse.ArgumentParse
                         "activations, e.g. 12GB (10^9) or 11GiB (2^30) or bytes")
     p.add_argument("--batch-size", type=int, help="override the config's batch_size")
     p.add_argument("--seq-len", type=int, help="override the config's seq_len")
+    p.add_argument("--cost-model", choices=("flops", "time"),
+                   help="what the planner minimises: recompute FLOPs (default) or recompute "
+                        "time by the roofline model; overrides the config's cost_model")
     return p
 
 
@@ -150,13 +153,17 @@ def _progress(console, enabled: bool):
     return status, (lambda msg: status.update(f"[{time.perf_counter() - t0:5.1f}s] {msg}"))
 
 
-def _analyze_and_plan(wl, optimizer, budget: int, verify: bool, say):
+def _cost_model(args, cfg) -> str:
+    return getattr(args, "cost_model", None) or cfg.cost_model
+
+
+def _analyze_and_plan(wl, optimizer, budget: int, verify: bool, say, cost_model: str = "flops"):
     """The pipeline on a workload: one analysis (calibrated when verifying), one plan."""
     from . import planner as pl
     an = pl.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, optimizer,
                     calibrate=verify, progress=say, has_aux=wl.has_aux)
     plan = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer,
-                   verify=verify, analysis=an, progress=say)
+                   verify=verify, analysis=an, progress=say, cost_model=cost_model)
     return an, plan
 
 
@@ -183,7 +190,8 @@ def _plan(args) -> int:
             futures[name] = pool.submit(measure, loss, wl.abstract_params, wl.abstract_batch,
                                         optimizer, wl.has_aux)
     try:
-        an, plan = _analyze_and_plan(wl, optimizer, budget, not args.no_verify, say)
+        an, plan = _analyze_and_plan(wl, optimizer, budget, not args.no_verify, say,
+                                     _cost_model(args, cfg))
         baselines = {}
         if compare:
             baselines["no_remat"] = an.noremat
@@ -231,6 +239,8 @@ def _report(cfg, wl, an, plan, baselines, seconds) -> dict:
             "fits": plan.fits(),
             "recompute_flops_predicted": plan.recompute_flops,
             "recompute_overhead_predicted": plan.recompute_overhead,
+            "cost_model": plan.metadata.get("cost_model"),
+            "recompute_time_overhead_predicted": plan.recompute_time_overhead,
             "measured_flops": plan.measured_flops,
             "recompute_overhead_measured": (None if plan.measured_flops is None or not noremat_flops
                                             else (plan.measured_flops - noremat_flops) / noremat_flops),
@@ -282,6 +292,9 @@ def _print_report(report: dict, plan, an) -> None:
     over = pr["recompute_overhead_measured"]
     mem.add_row("plan: recompute overhead", f"{100 * pr['recompute_overhead_predicted']:.1f}% "
                 f"predicted" + (f", {100 * over:.1f}% by XLA FLOPs" if over is not None else ""))
+    if pr.get("recompute_time_overhead_predicted") is not None:
+        mem.add_row(f"plan: recompute time (minimising {pr['cost_model']})",
+                    f"{100 * pr['recompute_time_overhead_predicted']:.1f}% predicted")
     console.print(mem)
 
     tree = Tree(f"plan: {len(plan.segments)} top-level segments")
@@ -326,7 +339,8 @@ def _explain(args) -> int:
     err = Console(stderr=True)
     status, say = _progress(err, err.is_terminal and not args.json)
     try:
-        an, plan = _analyze_and_plan(wl, optimizer, budget, not args.no_verify, say)
+        an, plan = _analyze_and_plan(wl, optimizer, budget, not args.no_verify, say,
+                                     _cost_model(args, cfg))
         say("explaining")
         ex = explain(an, plan)
         report = {**ex.to_dict(), "flax_names": flax_names(an, plan)}
@@ -398,7 +412,7 @@ def _train(args) -> int:
     console = Console(stderr=True)
     with console.status("planning"):
         plan = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer,
-                       has_aux=wl.has_aux)
+                       has_aux=wl.has_aux, cost_model=_cost_model(args, cfg))
     console.print(f"plan: XLA peak {plan.measured_peak_bytes:,} bytes <= budget "
                   f"{plan.budget_bytes:,}; predicted recompute {100 * plan.recompute_overhead:.1f}%")
     key = jax.random.key(cfg.seed)
