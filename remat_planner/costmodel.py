@@ -13,10 +13,13 @@ balance changes which plan is cheapest and what overhead ratio is predicted; the
 FLOP rate only turns costs into seconds.
 
 The constants are machine facts: `measure_machine()` times a matmul (compute-bound) and
-a fused elementwise op (memory-bound) on this backend, and scripts/benchmark.py fits
-the balance to measured step times of remat variants instead (least squares on their
-overhead ratios). The defaults are what scripts/benchmark.py measured on the 2-core
-development CPU (docs/benchmarks.md); re-measure on other machines.
+a fused elementwise op (memory-bound) on this backend; the defaults are what it gave
+on the 2-core development CPU. scripts/benchmark.py fits the balance to measured step
+times of remat variants instead (least squares on their overhead ratios). On that CPU
+the whole-step fit found no support for the byte term (fitted balance 0: the per-
+equation traffic is counted unfused, while XLA fuses recomputed elementwise ops into
+the backward's kernels), so the planner minimises FLOPs unless asked for "time"
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ import numpy as np
 
 COST_MODELS = ("flops", "time")
 
-# Fitted by scripts/benchmark.py on configs/gpt2-bench.yaml, 2-core CPU, jax 0.10.2
-# (docs/benchmarks.md): see CostModel.
-DEFAULT_FLOPS_PER_SECOND = 2.0e10
-DEFAULT_BYTES_PER_SECOND = 5.0e9
+# measure_machine() on the 2-core development CPU (jax 0.10.2, 2026-12-03; under load
+# from other jobs it gave 2.7e11-4.3e11 FLOP/s and 7.6e9-8.2e9 B/s): balance 37.5 FLOP/B.
+# scripts/benchmark.py fits the balance to whole training steps instead; on that machine
+# the fit is 0 (docs/benchmarks.md), which is why "flops" is the default objective.
+DEFAULT_FLOPS_PER_SECOND = 3.0e11
+DEFAULT_BYTES_PER_SECOND = 8.0e9
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -201,6 +202,7 @@ def test_time_objective_on_a_scanned_stack():
 def _load_benchmark():
     spec = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts" / "benchmark.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
