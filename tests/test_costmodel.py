@@ -233,3 +233,23 @@ def test_benchmark_script_smoke(tmp_path):
         assert len(v["times"]) == 2 and all(t > 0 for t in v["times"])
         assert v["xla_peak_bytes"] > 0
     assert data["fitted_balance"] >= 0
+
+
+def test_cli_cost_model_flag_and_config(tmp_path, capsys):
+    from remat_planner.cli import main
+    tiny = ROOT / "configs" / "gpt2-tiny.yaml"
+    budget = "20MB"
+    code = main([str(tiny), "--budget", budget, "--no-verify", "--json", "--cost-model", "time"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    plan = json.loads(out)["plan"]
+    assert plan["cost_model"] == "time" and plan["recompute_time_overhead_predicted"] >= 0
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text(tiny.read_text() + "cost_model: time\n")
+    code = main([str(cfg), "--budget", budget, "--no-verify", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert json.loads(out)["plan"]["cost_model"] == "time"
+    cfg.write_text(tiny.read_text() + "cost_model: seconds\n")
+    assert main([str(cfg), "--budget", budget, "--no-verify", "--json"]) == 2
+    assert "cost_model" in capsys.readouterr().err
