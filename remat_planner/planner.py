@@ -66,6 +66,22 @@ class Analysis:
         sc = dataclasses.replace(self.scan_chain, chain=chain)
         return sc.with_stack(scan.weighted(self.scan_chain.stack, w)).chain
 
+    def chain_for(self, segments, cost_model: CostModel | str | None = None,
+                  chain: ChainModel | None = None) -> ChainModel:
+        """The chain in `cost_model`'s units (`chain` if already built) in which every
+        scan scheme that `segments` use is an option, so simulate() accepts a plan
+        solved with either objective."""
+        model = resolve_cost_model(cost_model)
+        chain = self.cost_chain(model) if chain is None else chain
+        if self.scan_chain is None:
+            return chain
+        names = _scan_options(segments)
+        if not names:
+            return chain
+        w = model.bytes_weight
+        stack = scan.weighted(self.scan_chain.stack, w) if w else self.scan_chain.stack
+        return scan.with_schemes(chain, self.scan_chain.stage, stack, names)
+
     def step_seconds(self, cost_model: CostModel) -> float:
         """The time model's seconds for the unplanned step."""
         return cost_model.seconds(self.step_jaxpr_flops, self.step_jaxpr_bytes)
@@ -132,6 +148,16 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
                                             step_flops=noremat.flops or step_flops),
                         loss_fn, params, batch, optimizer, say)
     return an
+
+
+def _scan_options(segments) -> list[str]:
+    """Scan scheme names used anywhere in a segment tree."""
+    out = []
+    for s in segments:
+        if scan.is_scan_option(s.option):
+            out.append(s.option)
+        out.extend(_scan_options(s.children))
+    return out
 
 
 def step_traffic(loss_fn: Callable, params, batch, optimizer=None,
@@ -385,7 +411,8 @@ def _probe_cheaper(an: Analysis, solver: ChainSolver, best: Plan, budget_bytes: 
     timed = costs is not None and costs.model.kind == "time"
     objective = (lambda segs: simulate(costs.objective_chain, segs)[1]) if timed else None
     best_cost = objective(best.segments) if timed else best.recompute_flops
-    error = best.measured_peak_bytes - an.predicted_peak(simulate(an.chain, best.segments)[0])
+    error = best.measured_peak_bytes - an.predicted_peak(
+        simulate(an.chain_for(best.segments, chain=an.chain), best.segments)[0])
     probes = 0
     for act, cost in solver.frontier():
         if probes >= MAX_PROBES:
@@ -423,8 +450,10 @@ class _PlanCosts:
                            else an.cost_chain(time_model))
 
     def metadata(self, segments) -> dict:
-        _, flops = simulate(self.an.chain, segments)
-        _, time_units = simulate(self.time_chain, segments)
+        an = self.an
+        _, flops = simulate(an.chain_for(segments, "flops", an.chain), segments)
+        time_model = dataclasses.replace(self.model, kind="time")
+        _, time_units = simulate(an.chain_for(segments, time_model, self.time_chain), segments)
         seconds = time_units / self.model.flops_per_second
         step = self.an.step_seconds(self.model)
         return {"recompute_flops": flops, "metadata": {

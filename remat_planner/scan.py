@@ -782,6 +782,21 @@ def _pareto(keep: np.ndarray, need: np.ndarray, cost: np.ndarray) -> list[int]:
     return sorted(chosen)
 
 
+def with_schemes(chain: ChainModel, k: int, stack: LayerStack, names) -> ChainModel:
+    """`chain` with scan stage k's options extended by the schemes `names` it lacks,
+    costed on `stack`: a plan solved on one chain (say, the time model's, whose frontier
+    of schemes differs) can then be simulated on another."""
+    st = chain.stages[k]
+    have = {o.name for o in st.options}
+    extra = tuple(_option(n, scheme_cost(stack, ScanScheme.parse(n)), chain.boundary[k],
+                          chain.boundary[k + 1]) for n in dict.fromkeys(names) if n not in have)
+    if not extra:
+        return chain
+    stages = chain.stages[:k] + (dataclasses.replace(st, options=st.options + extra),) \
+        + chain.stages[k + 1:]
+    return dataclasses.replace(chain, stages=stages)
+
+
 def _option(name: str, c: SchemeCost, b_in: int, b_out: int) -> KeepOption:
     """A scheme as a KeepOption: its peak split into the workspaces memory.leaf_fwd_peak
     and leaf_bwd_peak add to the stage's boundaries (the same peak either way)."""

@@ -181,7 +181,7 @@ def test_plan_time_objective_is_optimal_for_its_own_cost():
 def test_time_objective_on_a_scanned_stack():
     from remat_planner.config import build_workload, load_config, make_optimizer
     cfg = load_config(ROOT / "configs" / "gpt2-tiny.yaml")
-    cfg = cfg.model_copy(update={"model": {**cfg.model, "scan_layers": True, "n_layer": 2}})
+    cfg = cfg.model_copy(update={"model": {**cfg.model, "scan_layers": True, "n_layer": 4}})
     wl, opt = build_workload(cfg), make_optimizer(cfg.optimizer)
     an = pl.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, opt, calibrate=False)
     assert an.scan_chain is not None
@@ -193,6 +193,14 @@ def test_time_objective_on_a_scanned_stack():
     # a scheme that recomputes costs more in time units than in FLOPs; `store` costs 0
     assert time_opts[STORE] == 0
     assert time_opts[NOTHING] > flops_opts[NOTHING] > 0
+    # every scheme of either chain can be simulated on the other (their frontiers differ)
+    from remat_planner.plan import Segment
+    names = {o.name for c in (an.chain, timed) for o in c.stages[k].options}
+    for name in names:
+        segs = tuple(Segment(i, i + 1, name if i == k else STORE) for i in range(an.chain.n))
+        _, f = simulate(an.chain_for(segs, "flops"), segs)
+        _, t = simulate(an.chain_for(segs, model), segs)
+        assert t >= f >= 0
     budget = an.predicted_peak(int(0.6 * an.noremat_activation_bytes))
     p = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, opt, verify=False,
                 analysis=an, cost_model=model)
