@@ -43,6 +43,9 @@ def _parser(prog: str, description: str, example: str) -> argparse.ArgumentParse
     p.add_argument("--cpu-devices", type=int, metavar="N",
                    help="simulate N devices on the host CPU (compile-time planning of a mesh "
                         "on a machine without it; sets jax_num_cpu_devices before JAX starts)")
+    p.add_argument("--cost-model", choices=("flops", "time"),
+                   help="what the planner minimises: recompute FLOPs (default) or recompute "
+                        "time by the roofline model; overrides the config's cost_model")
     return p
 
 
@@ -202,13 +205,18 @@ def _progress(console, enabled: bool):
     return status, (lambda msg: status.update(f"[{time.perf_counter() - t0:5.1f}s] {msg}"))
 
 
-def _analyze_and_plan(wl, optimizer, budget: int, verify: bool, say, spec=None):
+def _cost_model(args, cfg) -> str:
+    return getattr(args, "cost_model", None) or cfg.cost_model
+
+
+def _analyze_and_plan(wl, optimizer, budget: int, verify: bool, say, spec=None,
+                      cost_model: str = "flops"):
     """The pipeline on a workload: one analysis (calibrated when verifying), one plan."""
     from . import planner as pl
     an = pl.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, optimizer,
                     calibrate=verify, progress=say, has_aux=wl.has_aux, sharding=spec)
     plan = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer,
-                   verify=verify, analysis=an, progress=say)
+                   verify=verify, analysis=an, progress=say, cost_model=cost_model)
     return an, plan
 
 
@@ -235,7 +243,8 @@ def _plan(args) -> int:
             futures[name] = pool.submit(measure, loss, wl.abstract_params, wl.abstract_batch,
                                         optimizer, wl.has_aux, sharding=args.spec)
     try:
-        an, plan = _analyze_and_plan(wl, optimizer, budget, not args.no_verify, say, args.spec)
+        an, plan = _analyze_and_plan(wl, optimizer, budget, not args.no_verify, say, args.spec,
+                                     _cost_model(args, cfg))
         baselines = {}
         if compare:
             baselines["no_remat"] = an.noremat
@@ -289,6 +298,8 @@ def _report(cfg, wl, an, plan, baselines, seconds) -> dict:
             "fits": plan.fits(),
             "recompute_flops_predicted": plan.recompute_flops,
             "recompute_overhead_predicted": plan.recompute_overhead,
+            "cost_model": plan.metadata.get("cost_model"),
+            "recompute_time_overhead_predicted": plan.recompute_time_overhead,
             "measured_flops": plan.measured_flops,
             "recompute_overhead_measured": (None if plan.measured_flops is None or not noremat_flops
                                             else (plan.measured_flops - noremat_flops) / noremat_flops),
@@ -344,6 +355,9 @@ def _print_report(report: dict, plan, an) -> None:
     over = pr["recompute_overhead_measured"]
     mem.add_row("plan: recompute overhead", f"{100 * pr['recompute_overhead_predicted']:.1f}% "
                 f"predicted" + (f", {100 * over:.1f}% by XLA FLOPs" if over is not None else ""))
+    if pr.get("recompute_time_overhead_predicted") is not None:
+        mem.add_row(f"plan: recompute time (minimising {pr['cost_model']})",
+                    f"{100 * pr['recompute_time_overhead_predicted']:.1f}% predicted")
     console.print(mem)
 
     tree = Tree(f"plan: {len(plan.segments)} top-level segments")
@@ -399,7 +413,8 @@ def _explain(args) -> int:
     err = Console(stderr=True)
     status, say = _progress(err, err.is_terminal and not args.json)
     try:
-        an, plan = _analyze_and_plan(wl, optimizer, budget, not args.no_verify, say, args.spec)
+        an, plan = _analyze_and_plan(wl, optimizer, budget, not args.no_verify, say, args.spec,
+                                     _cost_model(args, cfg))
         say("explaining")
         ex = explain(an, plan)
         report = {**ex.to_dict(), "flax_names": flax_names(an, plan)}
@@ -471,7 +486,8 @@ def _train(args) -> int:
     console = Console(stderr=True)
     with console.status("planning"):
         plan = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer,
-                       has_aux=wl.has_aux, sharding=args.spec)
+                       has_aux=wl.has_aux, sharding=args.spec,
+                       cost_model=_cost_model(args, cfg))
     console.print(f"plan: XLA peak {plan.measured_peak_bytes:,} bytes <= budget "
                   f"{plan.budget_bytes:,}; predicted recompute {100 * plan.recompute_overhead:.1f}%")
     key = jax.random.key(cfg.seed)

@@ -51,6 +51,10 @@ class RunConfig(BaseModel):
         description="Globs over '/'-joined parameter paths (e.g. 'h_11/*'); only matching "
                     "parameters get gradients and optimizer state. Default: all.",
     )
+    cost_model: Literal["flops", "time"] = Field(
+        "flops", description="What the planner minimises: recompute FLOPs, or recompute time "
+                             "by the roofline model (remat_planner.costmodel).",
+    )
 
     # Where the config came from, so later errors (e.g. in build_workload) can name the file.
     _source: str = PrivateAttr(default="config")

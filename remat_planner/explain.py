@@ -113,7 +113,7 @@ def _store_residuals(program, plan: Plan, seg: Segment, defining) -> list[KeptTe
 
 
 def _explain_segment(an: Analysis, plan: Plan, seg: Segment, defining) -> SegmentExplanation:
-    program, chain = an.program, an.chain
+    program, chain = an.program, an.chain_for(plan.segments, chain=an.chain)
     modules = tuple(plan.stages[i].name for i in range(seg.start, seg.stop))
     if seg.children:
         kept = _inputs(program, plan, seg, defining)
@@ -208,7 +208,8 @@ def plot_memory(an: Analysis, plan: Plan, path: str) -> None:
 
     base = an.fixed.total + an.calibration_bytes
     store_all = [Segment(i, i + 1, STORE) for i in range(an.chain.n)]
-    lines = {"no remat": timeline(an.chain, store_all), "plan": timeline(an.chain, plan.segments)}
+    lines = {"no remat": timeline(an.chain, store_all),
+             "plan": timeline(an.chain_for(plan.segments, chain=an.chain), plan.segments)}
     measured = {"no remat": an.noremat.peak_bytes if an.noremat else None,
                 "plan": plan.measured_peak_bytes}
     # The plan's predicted peak may carry the closed loop's XLA correction: draw the plan

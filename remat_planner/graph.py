@@ -48,7 +48,7 @@ def eqn_flops(primitive_name: str, params: dict, in_avals, out_avals) -> float:
         rhs_spec = dn.rhs_spec  # (out feature dim, in feature dim, *spatial)
         per_output = rhs[rhs_spec[1]] * math.prod(rhs[d] for d in rhs_spec[2:])
         return 2.0 * _size(out_avals[0]) * per_output
-    sub = _subjaxpr_flops(primitive_name, params)
+    sub = _subjaxpr_cost(primitive_name, params, jaxpr_flops)
     if sub is not None:
         return sub
     if primitive_name in _FREE_PRIMITIVES:
@@ -56,6 +56,41 @@ def eqn_flops(primitive_name: str, params: dict, in_avals, out_avals) -> float:
     if primitive_name.startswith("reduce") or primitive_name in ("argmax", "argmin", "cumsum"):
         return float(sum(_size(a) for a in in_avals[:1]))
     return float(sum(_size(a) for a in out_avals))
+
+
+# Primitives that move no data of their own: XLA folds them into their consumer (views,
+# layout changes, casts fused into the op reading them) or they produce no array.
+_VIEW_PRIMITIVES = frozenset({
+    "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "convert_element_type",
+    "bitcast_convert_type", "iota", "name", "stop_gradient", "optimization_barrier",
+})
+
+
+def _nbytes(aval) -> int:
+    dtype = getattr(aval, "dtype", None)
+    itemsize = getattr(dtype, "itemsize", None) or 4
+    return _size(aval) * int(itemsize)
+
+
+def eqn_bytes(primitive_name: str, params: dict, in_avals, out_avals) -> float:
+    """Memory traffic of one equation as if run alone: bytes of its operands read plus
+    its results written; 0 for views and casts; recursive for calls and loops (a scan
+    body times its length). It overcounts what XLA fuses (an elementwise chain reads and
+    writes memory once, not once per op); the fitted machine balance of
+    costmodel.CostModel absorbs that on average."""
+    sub = _subjaxpr_cost(primitive_name, params, jaxpr_bytes)
+    if sub is not None:
+        return sub
+    if primitive_name in _VIEW_PRIMITIVES:
+        return 0.0
+    return float(sum(_nbytes(a) for a in in_avals) + sum(_nbytes(a) for a in out_avals))
+
+
+def jaxpr_bytes(jaxpr) -> float:
+    """Memory traffic (eqn_bytes) of a (closed) jaxpr, recursing into sub-jaxprs."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    return float(sum(eqn_bytes(e.primitive.name, e.params, [v.aval for v in e.invars],
+                               [v.aval for v in e.outvars]) for e in jaxpr.eqns))
 
 
 def jaxpr_flops(jaxpr) -> float:
@@ -68,18 +103,19 @@ def jaxpr_flops(jaxpr) -> float:
     return total
 
 
-def _subjaxpr_flops(name: str, params: dict):
+def _subjaxpr_cost(name: str, params: dict, measure):
+    """`measure` (jaxpr_flops or jaxpr_bytes) of a call or loop equation; None otherwise."""
     if name == "scan":
-        return params["length"] * jaxpr_flops(params["jaxpr"])
+        return params["length"] * measure(params["jaxpr"])
     if name == "while":
         # Trip count unknown at trace time: count one iteration of body and condition.
-        return jaxpr_flops(params["body_jaxpr"]) + jaxpr_flops(params["cond_jaxpr"])
+        return measure(params["body_jaxpr"]) + measure(params["cond_jaxpr"])
     if name == "cond":
-        return max(jaxpr_flops(b) for b in params["branches"])
+        return max(measure(b) for b in params["branches"])
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         if key in params and hasattr(params[key], "eqns") or (
                 key in params and hasattr(getattr(params[key], "jaxpr", None), "eqns")):
-            return jaxpr_flops(params[key])
+            return measure(params[key])
     return None
 
 
@@ -100,7 +136,8 @@ def build_graph(program: Program) -> nx.DiGraph:
                     for v in e.invars]
         out_avals = [program.avals[v] for v in e.outvars]
         g.add_node(("eqn", i), primitive=e.name, module=e.module_path,
-                   flops=eqn_flops(e.name, e.params, in_avals, out_avals))
+                   flops=eqn_flops(e.name, e.params, in_avals, out_avals),
+                   bytes_accessed=eqn_bytes(e.name, e.params, in_avals, out_avals))
         for v in e.invars:
             if isinstance(v, int):
                 g.add_edge(("val", v), ("eqn", i))
@@ -164,6 +201,7 @@ class Stage:
     stop: int
     name: str
     flops: float
+    bytes_accessed: float = 0.0  # memory traffic of its forward (graph.eqn_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,8 +261,14 @@ def find_stages(program: Program, graph: nx.DiGraph, *, max_stages: int = 48) ->
     bounds = [0, *candidates, n]
     stages = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
-        stages.append(Stage(lo, hi, _stage_name(program, lo, hi), float(sum(flops[lo:hi]))))
+        stages.append(Stage(lo, hi, _stage_name(program, lo, hi), float(sum(flops[lo:hi])),
+                            stage_bytes(graph, lo, hi)))
     return tuple(stages)
+
+
+def stage_bytes(graph: nx.DiGraph, lo: int, hi: int) -> float:
+    """Memory traffic (eqn_bytes) of equations [lo, hi)."""
+    return float(sum(graph.nodes[("eqn", i)]["bytes_accessed"] for i in range(lo, hi)))
 
 
 def _merge_trivial(cuts: list[int], flops: list[float], n: int) -> list[int]:

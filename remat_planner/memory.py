@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from .graph import CostGraph, definitions, jaxpr_flops, last_uses
+from .graph import CostGraph, definitions, jaxpr_bytes, jaxpr_flops, last_uses
 from .plan import DOTS, DOTS_NO_BATCH, NOTHING, STORE, Segment
 from .trace import Literal, Program, eval_eqn, eval_range, nbytes
 
@@ -137,6 +137,9 @@ class KeepOption:
     # None: the stage's own fwd_temp_bytes / bwd_temp_bytes.
     fwd_temp_bytes: int | None = None
     bwd_temp_bytes: int | None = None
+    # Extra memory traffic in the backward, vs. `store` (graph.eqn_bytes): with
+    # recompute_flops, the time cost model's input (costmodel.CostModel).
+    recompute_bytes: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +151,7 @@ class StageProfile:
     options: tuple[KeepOption, ...]  # options[0] is `store`
     fwd_temp_bytes: int   # XLA temp bounding the forward (= bwd_temp_bytes, see _xla_workspace)
     bwd_temp_bytes: int   # XLA temp of forward+backward compiled together
+    bytes_accessed: float = 0.0  # memory traffic of the forward (graph.eqn_bytes)
 
     def option(self, name: str) -> KeepOption:
         for o in self.options:
@@ -295,7 +299,7 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
         mapping = _value_mapping(program, local_names, st.start, st.stop)
         options = tuple(dataclasses.replace(o, saved=tuple(mapping[v] for v in o.saved))
                         for o in opts_local)
-        profiles.append(StageProfile(st.name, st.flops, options, wf, wb))
+        profiles.append(StageProfile(st.name, st.flops, options, wf, wb, st.bytes_accessed))
     boundary = [0] + [cost.boundary_bytes(k) for k in range(1, len(cost.stages))] + [0]
     return ChainModel(tuple(profiles), tuple(int(b) for b in boundary),
                       cut_overlap(program, cost, last, defs),
@@ -413,9 +417,10 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned
             total += nbytes(v.aval)
         return total
 
-    def step_flops(f):
+    def step_cost(f):
+        """FLOPs and memory traffic of the stage's forward + backward."""
         closed = jax.make_jaxpr(lambda a, ct: vjp_wrt(f, a, wrt)[1](ct))(in_avals, ct_avals)
-        return jaxpr_flops(closed)
+        return np.array([jaxpr_flops(closed), jaxpr_bytes(closed)])
 
     pins = tuple(v for e in program.eqns[start:stop] for v in e.outvars if v in pinned)
     with_pins = lambda saved: tuple(sorted(set(saved) | set(pins))) if pins else saved
@@ -423,7 +428,7 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned
                   (DOTS_NO_BATCH, with_pins(_dot_outputs(program, start, stop, True))),
                   (DOTS, with_pins(_dot_outputs(program, start, stop, False)))]
     base = make_segment_fn(program, start, stop, ins, fn_outs)
-    base_flops = step_flops(base)
+    base_cost = step_cost(base)
     options, seen_saved = [], set()
     for name, saved in candidates:
         if name != STORE:
@@ -435,8 +440,9 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned
             f = jax.checkpoint(tagged, policy=policy)
         else:
             f = base
-        rc = 0.0 if name == STORE else max(0.0, step_flops(f) - base_flops)
-        options.append(KeepOption(name, saved, residual_bytes(f), rc))
+        rc = np.zeros(2) if name == STORE else np.maximum(0.0, step_cost(f) - base_cost)
+        options.append(KeepOption(name, saved, residual_bytes(f), float(rc[0]),
+                                  recompute_bytes=float(rc[1])))
     wf = wb = 0
     if measure_xla and fn_outs:
         wf, wb = _xla_workspace(base, in_avals, ct_avals, wrt)
@@ -564,6 +570,24 @@ def segment_keep(chain: ChainModel, seg: Segment) -> int:
     if seg.children:
         return chain.region_input_bytes(seg.start, seg.stop)
     return chain.stages[seg.start].option(seg.option).keep_bytes
+
+
+def weighted_chain(chain: ChainModel, bytes_weight: float) -> ChainModel:
+    """The chain with recompute costs in the time model's units: every stage's forward
+    FLOPs and every option's recompute FLOPs get `bytes_weight` x their memory traffic
+    added (FLOP-equivalents: seconds x the machine's FLOP rate, see costmodel). The
+    solver and `simulate` then minimise and report time instead of FLOPs. Memory is
+    unchanged. The result carries no traffic of its own (weighting it again is a no-op)."""
+    if not bytes_weight:
+        return chain
+    stages = []
+    for s in chain.stages:
+        opts = tuple(dataclasses.replace(o, recompute_flops=o.recompute_flops
+                                         + bytes_weight * o.recompute_bytes, recompute_bytes=0.0)
+                     for o in s.options)
+        stages.append(dataclasses.replace(s, flops=s.flops + bytes_weight * s.bytes_accessed,
+                                          bytes_accessed=0.0, options=opts))
+    return dataclasses.replace(chain, stages=tuple(stages))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -112,6 +112,12 @@ class Plan:
         """Recompute FLOPs as a fraction of the unplanned step's FLOPs."""
         return self.recompute_flops / self.step_flops if self.step_flops else 0.0
 
+    @property
+    def recompute_time_overhead(self) -> float | None:
+        """Predicted recompute time as a fraction of the unplanned step's predicted time
+        (the roofline model of costmodel.CostModel), or None for a plan made without it."""
+        return self.metadata.get("recompute_time_overhead_predicted")
+
     def fits(self) -> bool | None:
         if self.measured_peak_bytes is None:
             return None

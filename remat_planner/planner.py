@@ -16,17 +16,19 @@ import jax
 from . import scan
 from .apply import builtin_policy_loss, input_signature
 from .budget import parse_budget
+from .costmodel import CostModel, resolve as resolve_cost_model
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph, build_cost_graph
 from .errors import UnsupportedModelError
+from .graph import jaxpr_bytes, jaxpr_flops
 from .memory import (ChainModel, FixedMemory, fixed_memory, profile_stages, scale_chain,
-                     simulate, with_gathered_weights)
+                     simulate, weighted_chain, with_gathered_weights)
 from .sharding import ShardingSpec, collective_outputs, gathered_params
 from .sharding import resolve as resolve_sharding
 from .plan import NOTHING, STORE, Plan, Segment, StageInfo
 from .solve import ChainSolver
 from .trace import Program, trace
-from .verify import Measurement, as_batch, measure
+from .verify import Measurement, abstract, as_batch, make_step, measure
 
 Progress = Callable[[str], None]
 
@@ -48,6 +50,11 @@ class Analysis:
     calibration_bytes: int = 0
     residual_scale: float = 1.0   # fitted scale on `store` residual bytes (see _calibrate)
     workspace_scale: float = 1.0  # fitted scale on stage workspaces (see _calibrate)
+    # FLOPs and memory traffic of the whole unplanned step's jaxpr (forward, backward,
+    # optimizer update; graph.jaxpr_flops / jaxpr_bytes): the time model's denominator.
+    step_jaxpr_flops: float = 0.0
+    step_jaxpr_bytes: float = 0.0
+    scan_chain: object | None = None  # scan.ScanChain of a layer-stack model (calibrated)
     # Sharded step (sharding.ShardingSpec): every byte figure is one device's; `pinned`
     # are the values produced by collectives, kept by every checkpoint.
     sharding: "ShardingSpec | None" = None
@@ -56,6 +63,39 @@ class Analysis:
     # analysis at several budgets (a frontier sweep) meets the same plans again, and a
     # compile is the expensive part of verifying one.
     verified: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def cost_chain(self, cost_model: CostModel) -> ChainModel:
+        """The chain whose recompute costs are in `cost_model`'s units (FLOPs, or
+        FLOP-equivalents of time: memory.weighted_chain; a layer stack's schemes are
+        re-derived from its weighted body)."""
+        w = cost_model.bytes_weight
+        if not w:
+            return self.chain
+        chain = weighted_chain(self.chain, w)
+        if self.scan_chain is None:
+            return chain
+        sc = dataclasses.replace(self.scan_chain, chain=chain)
+        return sc.with_stack(scan.weighted(self.scan_chain.stack, w)).chain
+
+    def chain_for(self, segments, cost_model: CostModel | str | None = None,
+                  chain: ChainModel | None = None) -> ChainModel:
+        """The chain in `cost_model`'s units (`chain` if already built) in which every
+        scan scheme that `segments` use is an option, so simulate() accepts a plan
+        solved with either objective."""
+        model = resolve_cost_model(cost_model)
+        chain = self.cost_chain(model) if chain is None else chain
+        if self.scan_chain is None:
+            return chain
+        names = _scan_options(segments)
+        if not names:
+            return chain
+        w = model.bytes_weight
+        stack = scan.weighted(self.scan_chain.stack, w) if w else self.scan_chain.stack
+        return scan.with_schemes(chain, self.scan_chain.stage, stack, names)
+
+    def step_seconds(self, cost_model: CostModel) -> float:
+        """The time model's seconds for the unplanned step."""
+        return cost_model.seconds(self.step_jaxpr_flops, self.step_jaxpr_bytes)
 
     @property
     def noremat_predicted_peak(self) -> int:
@@ -123,8 +163,10 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
     noremat_peak, _ = simulate(chain, store_all)
     # forward + backward of the unplanned step: backward ~ 2x forward for dots
     step_flops = 3.0 * cost.total_flops
+    jf, jb = step_traffic(loss_fn, params, batch, optimizer, has_aux)
     an = Analysis(program, cost, chain, fixed, noremat_peak, step_flops, sharding=spec,
-                  pinned=pinned)
+                  pinned=pinned, step_jaxpr_flops=jf, step_jaxpr_bytes=jb,
+                  scan_chain=scanned)
     if calibrate and scanned is not None:
         an = _calibrate_scan(an, scanned, loss_fn, params, batch, optimizer, say)
     elif calibrate:
@@ -142,6 +184,30 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
         an = _calibrate(dataclasses.replace(an, noremat=noremat, step_flops=flops),
                         loss_fn, params, batch, optimizer, say)
     return an
+
+
+def _scan_options(segments) -> list[str]:
+    """Scan scheme names used anywhere in a segment tree."""
+    out = []
+    for s in segments:
+        if scan.is_scan_option(s.option):
+            out.append(s.option)
+        out.extend(_scan_options(s.children))
+    return out
+
+
+def step_traffic(loss_fn: Callable, params, batch, optimizer=None,
+                 has_aux: bool = False) -> tuple[float, float]:
+    """FLOPs and memory traffic (graph.jaxpr_flops / jaxpr_bytes) of the training step of
+    `loss_fn` (value_and_grad + optimizer update, as verify.measure compiles it), from its
+    jaxpr: nothing is compiled or allocated."""
+    params, batch = abstract(params), abstract(as_batch(batch))
+    step = make_step(loss_fn, optimizer, has_aux)
+    if optimizer is None:
+        closed = jax.make_jaxpr(step)(params, batch)
+    else:
+        closed = jax.make_jaxpr(step)(params, jax.eval_shape(optimizer.init, params), batch)
+    return jaxpr_flops(closed), jaxpr_bytes(closed)
 
 
 def _calibrate_scan(an: Analysis, scanned: "scan.ScanChain", loss_fn, params, batch, optimizer,
@@ -176,10 +242,11 @@ def _calibrate_scan(an: Analysis, scanned: "scan.ScanChain", loss_fn, params, ba
     beta = 1.0 if fit_beta(0.5) == fit_beta(4.0) else _fit_scale(fit_beta, ckpt_peak, lo=0.5)
     alpha = _fit_scale(lambda a: total(scan.rescaled(scanned.stack, a, beta), store_all),
                        noremat.peak_bytes, lo=0.5)
-    chain = scanned.with_stack(scan.rescaled(scanned.stack, alpha, beta)).chain
+    fitted = scanned.with_stack(scan.rescaled(scanned.stack, alpha, beta))
+    chain = fitted.chain
     act, _ = simulate(chain, store_all)
     offset = noremat.peak_bytes - (an.fixed.total + max(act, an.fixed.update_temp_bytes))
-    return dataclasses.replace(an, chain=chain, noremat=noremat,
+    return dataclasses.replace(an, chain=chain, scan_chain=fitted, noremat=noremat,
                                step_flops=noremat.flops or an.step_flops,
                                noremat_activation_bytes=act, calibration_bytes=offset,
                                residual_scale=alpha, workspace_scale=beta)
@@ -251,7 +318,7 @@ def _calibrate(an: Analysis, loss_fn, params, batch, optimizer, say) -> Analysis
 def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bool = True,
          max_rounds: int = 4, progress: Progress | None = None,
          analysis: Analysis | None = None, has_aux: bool = False, mesh=None,
-         sharding=None) -> Plan:
+         sharding=None, cost_model: CostModel | str | None = None) -> Plan:
     """Plan rematerialization of `loss_fn`'s training step to fit `budget`.
 
     Args:
@@ -269,6 +336,10 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
         (or {"data": 4, "model": 2}, or a jax.sharding.Mesh) and sharding="fsdp" (dp,
         fsdp, tp, fsdp+tp; see remat_planner/sharding.py). `budget` is then per device,
         and XLA's per-device peak of the compiled SPMD step is the check.
+      cost_model: what the solver minimises: "flops" (default) recompute FLOPs, "time"
+        the roofline time flops/F + bytes/B (costmodel.CostModel; pass one to set the
+        machine constants). Either way the plan's metadata reports the predicted
+        recompute time (`recompute_time_overhead_predicted`).
     Returns:
       A Plan with predicted (and, if verified, measured) peak and recompute FLOPs.
     Raises:
@@ -281,7 +352,10 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
                              has_aux=has_aux, mesh=mesh, sharding=sharding)
     has_aux = an.program.has_aux
     overhead = an.fixed.total + an.calibration_bytes
-    solver = ChainSolver(an.chain, max(an.noremat_activation_bytes, budget_bytes - overhead, 1))
+    model = resolve_cost_model(cost_model)
+    costs = _PlanCosts(an, model)
+    solver = ChainSolver(costs.objective_chain,
+                         max(an.noremat_activation_bytes, budget_bytes - overhead, 1))
     min_act = solver.min_feasible_bytes()
     min_budget = an.predicted_peak(min_act if min_act is not None else an.noremat_activation_bytes)
 
@@ -295,7 +369,7 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     if first is None:
         raise InfeasibleBudgetError(budget_bytes, min_budget)
     if not verify:
-        return _make_plan(an, first, budget_bytes, params, batch, correction=0)
+        return _make_plan(an, first, budget_bytes, params, batch, correction=0, costs=costs)
 
     # Closed loop. `target` is the budget handed to the model; the gap between XLA's
     # peak and the model's for the last measured plan is the correction carried into
@@ -304,11 +378,12 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     target, solution, correction = budget_bytes, first, 0
     best: Plan | None = None
     best_target = budget_bytes  # the target that produced `best`
+    best_cost = 0.0  # its recompute cost in the objective's units
     failed_target: int | None = None
     tried = [solution.segments]
     lowest_peak = None
     for round_ in range(max_rounds):
-        p = _make_plan(an, solution, budget_bytes, params, batch, correction)
+        p = _make_plan(an, solution, budget_bytes, params, batch, correction, costs=costs)
         say(f"verifying with XLA (round {round_ + 1})")
         m = _measure_plan(an, p, loss_fn, params, batch, optimizer)
         if m.communication is not None:
@@ -318,8 +393,8 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
                                 metadata={**p.metadata, "verify_rounds": round_ + 1})
         correction = m.peak_bytes - (p.predicted_peak_bytes - correction)
         if m.peak_bytes <= budget_bytes:
-            if best is None or p.recompute_flops < best.recompute_flops:
-                best, best_target = p, target
+            if best is None or solution.recompute_flops < best_cost:  # in the objective's units
+                best, best_target, best_cost = p, target, solution.recompute_flops
             slack = budget_bytes - m.peak_bytes
             if slack < 0.02 * budget_bytes:
                 break
@@ -350,7 +425,7 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     rounds = round_ + 1
     if best is not None:
         best, probes = _probe_cheaper(an, solver, best, budget_bytes, tried, loss_fn, params,
-                                      batch, optimizer, has_aux, say)
+                                      batch, optimizer, has_aux, say, costs)
         return dataclasses.replace(best, metadata={**best.metadata,
                                                    "verify_rounds": rounds + probes})
     raise InfeasibleBudgetError(
@@ -364,21 +439,27 @@ MAX_PROBES = 2
 
 
 def _probe_cheaper(an: Analysis, solver: ChainSolver, best: Plan, budget_bytes: int, tried: list,
-                   loss_fn, params, batch, optimizer, has_aux: bool, say) -> tuple[Plan, int]:
+                   loss_fn, params, batch, optimizer, has_aux: bool, say,
+                   costs: "_PlanCosts | None" = None) -> tuple[Plan, int]:
     """Try the next cheaper plans on the model's frontier with XLA.
 
     The model's error differs from plan to plan by a few percent (XLA packs some buffers
     better than the sum of parts), so a plan the model puts just over the budget may fit.
     While the next cheaper frontier point, shifted by the error measured on the best plan,
     lies within PROBE_MARGIN of the budget, it is compiled; the cheapest plan XLA fits wins
-    (by measured FLOPs). At most MAX_PROBES extra compiles. Returns (plan, compiles).
+    (by measured FLOPs; with the time objective, by the model's time cost). At most
+    MAX_PROBES extra compiles. Returns (plan, compiles).
     """
-    error = best.measured_peak_bytes - an.predicted_peak(simulate(an.chain, best.segments)[0])
+    timed = costs is not None and costs.model.kind == "time"
+    objective = (lambda segs: simulate(costs.objective_chain, segs)[1]) if timed else None
+    best_cost = objective(best.segments) if timed else best.recompute_flops
+    error = best.measured_peak_bytes - an.predicted_peak(
+        simulate(an.chain_for(best.segments, chain=an.chain), best.segments)[0])
     probes = 0
     for act, cost in solver.frontier():
         if probes >= MAX_PROBES:
             break
-        if cost >= best.recompute_flops:
+        if cost >= best_cost:  # the solver's frontier is in the objective's units
             continue
         solution = solver.solve(act)
         if solution is None or solution.segments in tried:
@@ -387,17 +468,18 @@ def _probe_cheaper(an: Analysis, solver: ChainSolver, best: Plan, budget_bytes: 
             break  # frontier points come in increasing bytes: the rest are further over
         tried.append(solution.segments)
         probes += 1
-        p = _make_plan(an, solution, budget_bytes, params, batch, error)
+        p = _make_plan(an, solution, budget_bytes, params, batch, error, costs=costs)
         say(f"verifying a cheaper plan the model puts {p.predicted_peak_bytes - budget_bytes:+d} "
             "bytes from the budget (probe)")
         m = _measure_plan(an, p, loss_fn, params, batch, optimizer)
         if m.peak_bytes > budget_bytes:
             break
-        if m.flops < best.measured_flops:
+        if (objective(p.segments) < best_cost) if timed else (m.flops < best.measured_flops):
             meta = p.metadata if m.communication is None else {
                 **p.metadata, "communication": m.communication}
             best = dataclasses.replace(p, measured_peak_bytes=m.peak_bytes, measured_flops=m.flops,
                                        metadata=meta)
+            best_cost = objective(p.segments) if timed else best.recompute_flops
     return best, probes
 
 
@@ -415,10 +497,40 @@ def _measure_plan(an: Analysis, p: Plan, loss_fn, params, batch, optimizer) -> M
     return an.verified[key]
 
 
-def _make_plan(an: Analysis, solution, budget_bytes: int, params, batch, correction: int) -> Plan:
-    return _plan_from_segments(an, solution.segments, budget_bytes,
-                               an.predicted_peak(solution.activation_peak_bytes) + correction,
-                               params, batch, solution.recompute_flops)
+class _PlanCosts:
+    """The chain the solver minimises over (FLOPs or time units) and the reports of a
+    plan's recompute in FLOPs and predicted seconds, whichever the objective."""
+
+    def __init__(self, an: Analysis, model: CostModel):
+        self.an, self.model = an, model
+        self.objective_chain = an.cost_chain(model)
+        time_model = dataclasses.replace(model, kind="time")
+        self.time_chain = (self.objective_chain if model.kind == "time"
+                           else an.cost_chain(time_model))
+
+    def metadata(self, segments) -> dict:
+        an = self.an
+        _, flops = simulate(an.chain_for(segments, "flops", an.chain), segments)
+        time_model = dataclasses.replace(self.model, kind="time")
+        _, time_units = simulate(an.chain_for(segments, time_model, self.time_chain), segments)
+        seconds = time_units / self.model.flops_per_second
+        step = self.an.step_seconds(self.model)
+        return {"recompute_flops": flops, "metadata": {
+            "cost_model": self.model.kind,
+            "balance_flops_per_byte": self.model.balance,
+            "recompute_seconds_predicted": seconds,
+            "step_seconds_predicted": step,
+            "recompute_time_overhead_predicted": seconds / step if step else 0.0}}
+
+
+def _make_plan(an: Analysis, solution, budget_bytes: int, params, batch, correction: int,
+               costs: _PlanCosts | None = None) -> Plan:
+    extra = costs.metadata(solution.segments) if costs is not None else {
+        "recompute_flops": solution.recompute_flops, "metadata": {}}
+    p = _plan_from_segments(an, solution.segments, budget_bytes,
+                            an.predicted_peak(solution.activation_peak_bytes) + correction,
+                            params, batch, extra["recompute_flops"])
+    return dataclasses.replace(p, metadata={**p.metadata, **extra["metadata"]})
 
 
 def _plan_from_segments(an: Analysis, segments, budget_bytes: int, predicted: int, params, batch,

@@ -45,9 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .graph import (CostGraph, Stage, _stage_name, build_graph, crossing_bytes, definitions,
-                    eqn_flops, find_stages, jaxpr_flops, last_uses)
+                    eqn_flops, find_stages, jaxpr_bytes, jaxpr_flops, last_uses, stage_bytes)
 from .memory import (ChainModel, KeepOption, StageProfile, cut_overlap, profile_stages,
-                     region_inputs, segment_keep, simulate, stage_io)
+                     region_inputs, segment_keep, simulate, stage_io, weighted_chain)
 from .plan import NOTHING, STORE, Segment, StageInfo
 from .solve import enumerate_plans
 from .trace import Eqn, Literal, Program, _Flattener, eval_range, nbytes
@@ -218,7 +218,8 @@ def isolate(program: Program, cost: CostGraph, index: int) -> tuple[CostGraph, i
                 if lo == index:
                     scan_stage = len(stages)
                 flops = float(sum(cost.graph.nodes[("eqn", i)]["flops"] for i in range(lo, hi)))
-                stages.append(Stage(lo, hi, _stage_name(program, lo, hi), flops))
+                stages.append(Stage(lo, hi, _stage_name(program, lo, hi), flops,
+                                    stage_bytes(cost.graph, lo, hi)))
     name = _stack_name(program, index)
     stages[scan_stage] = dataclasses.replace(stages[scan_stage], name=name)
     return dataclasses.replace(cost, stages=tuple(stages)), scan_stage
@@ -342,7 +343,8 @@ def layer_body(eqn: Eqn) -> Body:
     graph = build_graph(program)
     cuts = _sub_stage_cuts(program, graph)
     stages = tuple(Stage(lo, hi, _stage_name(program, lo, hi),
-                         float(sum(graph.nodes[("eqn", i)]["flops"] for i in range(lo, hi))))
+                         float(sum(graph.nodes[("eqn", i)]["flops"] for i in range(lo, hi))),
+                         stage_bytes(graph, lo, hi))
                    for lo, hi in zip([0, *cuts], [*cuts, len(program.eqns)]))
     cost = CostGraph(graph, stages, crossing_bytes(program, graph),
                      float(sum(st.flops for st in stages)))
@@ -400,7 +402,8 @@ def whole_body_chain(body: Body, *, measure_xla: bool = True) -> ChainModel | No
     program = body.program
     n = len(program.eqns)
     one = dataclasses.replace(body.cost, stages=(Stage(0, n, body.cost.stages[0].name,
-                                                       body.cost.total_flops),))
+                                                       body.cost.total_flops,
+                                                       stage_bytes(body.cost.graph, 0, n)),))
     chain = profile_stages(program, one, measure_xla=measure_xla)
     carry = program.invars[body.num_consts:body.num_consts + body.num_carry]
     out = sum(program.nbytes(v) for v in program.outvars if isinstance(v, int))
@@ -519,6 +522,7 @@ class LayerStack:
     carry_bytes: the carry (residual stream) of one iteration.
     xs_bytes: floating `xs` (one layer's parameters) of one iteration.
     body_flops: forward FLOPs of one iteration.
+    body_bytes: forward memory traffic of one iteration (graph.eqn_bytes).
     chain: the body's sub-stages (body_chain); plans: every per-iteration plan over them.
     """
 
@@ -529,6 +533,7 @@ class LayerStack:
     chain: ChainModel
     plans: tuple[IterationPlan, ...]
     whole: ChainModel | None = None   # the body as one stage (whole_body_chain)
+    body_bytes: float = 0.0
 
     def plan(self, name: str) -> IterationPlan:
         for p in self.plans:
@@ -557,7 +562,7 @@ def profile_layer_stack(program: Program, index: int, *, measure_xla: bool = Tru
     return LayerStack(eqn.params["length"], sum(nbytes(a) for a in carry),
                       sum(nbytes(a) // a.shape[0] for a in xs if _is_float(a)),
                       jaxpr_flops(eqn.params["jaxpr"]), chain, iteration_plans(chain, whole),
-                      whole)
+                      whole, jaxpr_bytes(eqn.params["jaxpr"]))
 
 
 def rescaled(stack: LayerStack, alpha: float, beta: float) -> LayerStack:
@@ -580,6 +585,19 @@ def rescaled(stack: LayerStack, alpha: float, beta: float) -> LayerStack:
     chain, whole = scaled(stack.chain), scaled(stack.whole)
     return dataclasses.replace(stack, chain=chain, whole=whole,
                                plans=iteration_plans(chain, whole))
+
+
+def weighted(stack: LayerStack, bytes_weight: float) -> LayerStack:
+    """`stack` with recompute costs in the time model's units (memory.weighted_chain):
+    the body's sub-stage costs and its forward get `bytes_weight` x their memory
+    traffic added, and the per-iteration plans are re-evaluated, so every scheme's
+    recompute cost (built from them by part_cost) is a time cost."""
+    chain = weighted_chain(stack.chain, bytes_weight)
+    whole = None if stack.whole is None else weighted_chain(stack.whole, bytes_weight)
+    return dataclasses.replace(stack, chain=chain, whole=whole,
+                               plans=iteration_plans(chain, whole),
+                               body_flops=stack.body_flops + bytes_weight * stack.body_bytes,
+                               body_bytes=0.0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -764,6 +782,21 @@ def _pareto(keep: np.ndarray, need: np.ndarray, cost: np.ndarray) -> list[int]:
     return sorted(chosen)
 
 
+def with_schemes(chain: ChainModel, k: int, stack: LayerStack, names) -> ChainModel:
+    """`chain` with scan stage k's options extended by the schemes `names` it lacks,
+    costed on `stack`: a plan solved on one chain (say, the time model's, whose frontier
+    of schemes differs) can then be simulated on another."""
+    st = chain.stages[k]
+    have = {o.name for o in st.options}
+    extra = tuple(_option(n, scheme_cost(stack, ScanScheme.parse(n)), chain.boundary[k],
+                          chain.boundary[k + 1]) for n in dict.fromkeys(names) if n not in have)
+    if not extra:
+        return chain
+    stages = chain.stages[:k] + (dataclasses.replace(st, options=st.options + extra),) \
+        + chain.stages[k + 1:]
+    return dataclasses.replace(chain, stages=stages)
+
+
 def _option(name: str, c: SchemeCost, b_in: int, b_out: int) -> KeepOption:
     """A scheme as a KeepOption: its peak split into the workspaces memory.leaf_fwd_peak
     and leaf_bwd_peak add to the stage's boundaries (the same peak either way)."""
@@ -925,6 +958,7 @@ class ScanChain:
         k, old = self.stage, self.chain.stages[self.stage]
         profile = scan_stage_profile(stack, old.name, old.flops, self.chain.boundary[k],
                                      self.chain.boundary[k + 1], self.input_bytes, frontier)
+        profile = dataclasses.replace(profile, bytes_accessed=old.bytes_accessed)
         stages = self.chain.stages[:k] + (profile,) + self.chain.stages[k + 1:]
         return dataclasses.replace(self, chain=dataclasses.replace(self.chain, stages=stages),
                                    stack=stack)
@@ -953,6 +987,7 @@ def profile_chain(program: Program, cost: CostGraph, *, measure_xla: bool = True
     st = cost.stages[k]
     profile = scan_stage_profile(stack, st.name, st.flops, boundary[k], boundary[k + 1],
                                  input_bytes)
+    profile = dataclasses.replace(profile, bytes_accessed=st.bytes_accessed)
     stages = rest.stages[:k] + (profile,) + rest.stages[k:]
     last, defs = last_uses(program), definitions(program)
     chain = ChainModel(stages, boundary, cut_overlap(program, cost, last, defs),
