@@ -13,6 +13,7 @@ from .budget import format_bytes, parse_budget
 from .errors import (BudgetError, ConfigError, InfeasibleBudgetError, PlanMismatchError,
                      RematPlannerError, UnsupportedModelError)
 from .plan import Plan, Segment
+from .policies import dots_narrow_saveable
 from .planner import Analysis, analyze, measure_builtin_policies, plan
 from .sharding import ShardingSpec, shard_arrays
 from .verify import Measurement, measure, train_step
@@ -22,6 +23,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Analysis", "BudgetError", "ConfigError", "InfeasibleBudgetError", "Measurement", "Plan",
     "PlanMismatchError", "RematPlannerError", "Segment", "ShardingSpec", "UnsupportedModelError",
-    "analyze", "format_bytes", "measure", "measure_builtin_policies", "parse_budget", "plan",
+    "analyze", "dots_narrow_saveable", "format_bytes", "measure", "measure_builtin_policies", "parse_budget", "plan",
     "shard_arrays", "train_step",
 ]

@@ -13,7 +13,7 @@ import numpy as np
 
 from .memory import _run, differentiated, make_segment_fn, stage_io, timeline, varying_values, vjp_wrt
 from .trace import nbytes
-from .plan import DOTS, DOTS_NO_BATCH, NOTHING, STORE, Plan, Segment
+from .plan import DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Plan, Segment
 from .planner import Analysis
 from .scan import describe as describe_scan, is_scan_option
 
@@ -158,6 +158,7 @@ def explain(an: Analysis, plan: Plan) -> Explanation:
 
 _POLICY = {NOTHING: "jax.checkpoint_policies.nothing_saveable",
            DOTS_NO_BATCH: "jax.checkpoint_policies.dots_with_no_batch_dims_saveable",
+           DOTS_NARROW: "remat_planner.dots_narrow_saveable",
            DOTS: "jax.checkpoint_policies.dots_saveable"}
 
 

@@ -20,7 +20,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from .graph import CostGraph, definitions, jaxpr_bytes, jaxpr_flops, last_uses
-from .plan import DOTS, DOTS_NO_BATCH, NOTHING, STORE, Segment
+from .plan import DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Segment
+from .policies import dot_is_narrow
 from .trace import Literal, Program, eval_eqn, eval_range, nbytes
 
 CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
@@ -236,14 +237,22 @@ def _is_float(aval) -> bool:
     return jax.dtypes.issubdtype(aval.dtype, np.inexact)
 
 
-def _dot_outputs(program: Program, start: int, stop: int, no_batch: bool) -> tuple[int, ...]:
+def _dot_outputs(program: Program, start: int, stop: int, rule: str) -> tuple[int, ...]:
+    """Outputs of the stage's dot_generals that keep rule `rule` (DOTS_NO_BATCH, DOTS_NARROW
+    or DOTS) saves."""
     picked = []
     for e in program.eqns[start:stop]:
         if e.name != "dot_general":
             continue
-        (_, _), (lhs_batch, _) = e.params["dimension_numbers"]
-        if no_batch and lhs_batch:
+        dims = e.params["dimension_numbers"]
+        (_, _), (lhs_batch, _) = dims
+        if rule == DOTS_NO_BATCH and lhs_batch:
             continue
+        if rule == DOTS_NARROW:
+            shapes = [np.shape(v.val) if isinstance(v, Literal) else program.avals[v].shape
+                      for v in e.invars[:2]]
+            if not dot_is_narrow(*shapes, dims):
+                continue
         picked.extend(e.outvars)
     return tuple(picked)
 
@@ -425,8 +434,8 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned
     pins = tuple(v for e in program.eqns[start:stop] for v in e.outvars if v in pinned)
     with_pins = lambda saved: tuple(sorted(set(saved) | set(pins))) if pins else saved
     candidates = [(STORE, ()), (NOTHING, with_pins(())),
-                  (DOTS_NO_BATCH, with_pins(_dot_outputs(program, start, stop, True))),
-                  (DOTS, with_pins(_dot_outputs(program, start, stop, False)))]
+                  *((rule, with_pins(_dot_outputs(program, start, stop, rule)))
+                    for rule in (DOTS_NO_BATCH, DOTS_NARROW, DOTS))]
     base = make_segment_fn(program, start, stop, ins, fn_outs)
     base_cost = step_cost(base)
     options, seen_saved = [], set()

@@ -13,6 +13,10 @@ STORE = "store"            # no checkpoint: the backward keeps every residual it
 NOTHING = "nothing"        # checkpoint keeping only the segment's inputs
 DOTS_NO_BATCH = "dots_no_batch"  # ... plus outputs of dot_general without batch dims
 DOTS = "dots"              # ... plus outputs of every dot_general
+# ... plus outputs of dot_general without batch dims and of batched dot_generals whose
+# output is no larger than an operand: attention's probabilities @ values, not its scores
+DOTS_NARROW = "dots_narrow"
+KEEP_RULES = (NOTHING, DOTS_NO_BATCH, DOTS_NARROW, DOTS)  # checkpoint options, frugal first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +214,7 @@ def validate_segments(segments, n_stages: int, start: int = 0) -> None:
             validate_option(s.option)
             if s.stop - s.start != 1 or s.children:
                 raise ValueError("a scan scheme segment is exactly one stage without children")
-        elif s.option not in (STORE, NOTHING, DOTS_NO_BATCH, DOTS):
+        elif s.option != STORE and s.option not in KEEP_RULES:
             raise ValueError(f"unknown keep option {s.option!r}")
         if s.option == STORE and (s.stop - s.start != 1 or s.children):
             raise ValueError("a store segment is exactly one stage without children")

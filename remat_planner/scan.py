@@ -416,7 +416,7 @@ def whole_body_chain(body: Body, *, measure_xla: bool = True) -> ChainModel | No
 
 # A per-iteration plan that is one checkpoint over the whole body with a keep rule is
 # written `[rule]` (e.g. `[dots_no_batch]`, JAX's policy on the block).
-_WHOLE_RULES = ("dots_no_batch", "dots")
+_WHOLE_RULES = ("dots_no_batch", "dots_narrow", "dots")
 
 @dataclasses.dataclass(frozen=True)
 class IterationPlan:

@@ -82,50 +82,9 @@ def _assert_one_line(err: Exception) -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# 1. Never over budget; the frontier is monotone
+# 1. Never over budget; the frontier is monotone: tests/test_sweep.py (its own file, so that
+#    pytest-xdist runs it beside this one)
 # ------------------------------------------------------------------------------------------
-
-@pytest.mark.slow
-@pytest.mark.parametrize("model", _params(KNOWN_NON_MONOTONE), indirect=True)
-def test_sweep_never_over_budget_and_recompute_never_rises(model):
-    """SWEEP_BUDGETS budgets from the smallest feasible (by the model) to the no-remat XLA
-    peak: every plan returned is within its budget by XLA's own buffer assignment, and
-    recompute never rises as the budget grows. Infeasible answers are accepted only at
-    the bottom of the range and only as one-line InfeasibleBudgetErrors."""
-    an, wl = model.analysis, model.workload
-    low, high = an.min_feasible_budget(), an.noremat.peak_bytes
-    assert low < high, (low, high)
-    budgets = [int(b) for b in np.linspace(low, high, SWEEP_BUDGETS)]
-    plans, infeasible = [], []
-    for budget in budgets:
-        try:
-            plans.append((budget, _plan(model, budget)))
-        except rp.InfeasibleBudgetError as err:
-            _assert_one_line(err)
-            assert err.exit_code == 3 and err.min_feasible_bytes > budget
-            infeasible.append(budget)
-    table = [(b, p.measured_peak_bytes, p.recompute_flops) for b, p in plans]
-    # "Infeasible" only below every feasible budget, and not for most of the range.
-    assert all(b < plans[0][0] for b in infeasible), (infeasible, table)
-    assert len(plans) >= SWEEP_BUDGETS - 2, (infeasible, table)
-    for budget, plan in plans:
-        assert plan.budget_bytes == budget
-        assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= budget, table
-        assert plan.fits()
-    costs = [p.recompute_flops for _, p in plans]
-    assert costs == sorted(costs, reverse=True), table  # (budget, XLA peak, recompute)
-    assert costs[0] > 0.0  # the bottom of the range really rematerializes
-    # The figure a plan records is XLA's, for the plan as saved: re-measure the tightest
-    # plan after a JSON round trip.
-    budget, tight = plans[0]
-    again = rp.Plan.from_json(tight.to_json())
-    measured = rp.measure(again.apply(wl.loss_fn), wl.abstract_params, wl.abstract_batch,
-                          model.optimizer, wl.has_aux)
-    assert measured.peak_bytes == tight.measured_peak_bytes <= budget
-    print(f"\n{model.name}: {len(budgets)} budgets {low}..{high}, {len(plans)} plans within "
-          f"budget, {len(infeasible)} infeasible at the bottom, recompute "
-          f"{costs[0]:.3g} -> {costs[-1]:.3g} FLOPs")
-
 
 # ------------------------------------------------------------------------------------------
 # 2. Exact gradients
