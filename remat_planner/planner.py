@@ -145,11 +145,16 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
     if has_aux:
         fixed = dataclasses.replace(fixed, aux_bytes=sum(program.nbytes(v)
                                                          for v in program.aux_outputs))
-    if spec is not None and scan.find_layer_scan(program) is not None:
+    if spec is not None and spec.scheme != "dp" and scan.find_layer_scan(program) is not None:
         raise UnsupportedModelError(
-            "sharded steps of a scan-over-layers model are not planned yet; set "
-            "`scan_layers: false` in the model config (unrolled layers shard fine)")
+            f"sharding {spec.scheme!r} of a scan-over-layers model is not planned yet (dp is); "
+            "set `scan_layers: false` in the model config (unrolled layers shard with every "
+            "scheme)")
     scanned = scan.profile_chain(program, cost, measure_xla=measure_xla, progress=say)
+    if scanned is not None and spec is not None:
+        # dp: parameters replicated, the batch split; one device's share of the activations
+        # (the calibration compiles are the sharded step's and fit the rest)
+        scanned = scan.scaled(scanned, 1.0 / spec.data_size)
     if scanned is not None:  # the layers are one scan: a stage whose options are scan schemes
         cost, chain = scanned.cost, scanned.chain
     else:
@@ -229,8 +234,10 @@ def _calibrate_scan(an: Analysis, scanned: "scan.ScanChain", loss_fn, params, ba
     ckpt_loss = _plan_from_segments(an, ckpt, 0, 0, params, batch).apply(loss_fn)
     say("measuring the step without remat and with the layer stack checkpointed (calibration)")
     with ThreadPoolExecutor(max_workers=1) as pool:  # XLA compiles release the GIL
-        pending = pool.submit(measure, loss_fn, params, batch, optimizer, has_aux)
-        ckpt_peak = measure(ckpt_loss, params, batch, optimizer, has_aux).peak_bytes
+        pending = pool.submit(measure, loss_fn, params, batch, optimizer, has_aux,
+                              sharding=an.sharding)
+        ckpt_peak = measure(ckpt_loss, params, batch, optimizer, has_aux,
+                            sharding=an.sharding).peak_bytes
         noremat = pending.result()
 
     def total(stack, segments) -> int:

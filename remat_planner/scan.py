@@ -47,7 +47,8 @@ import numpy as np
 from .graph import (CostGraph, Stage, _stage_name, build_graph, crossing_bytes, definitions,
                     eqn_flops, find_stages, jaxpr_bytes, jaxpr_flops, last_uses, stage_bytes)
 from .memory import (ChainModel, KeepOption, StageProfile, cut_overlap, profile_stages,
-                     region_inputs, segment_keep, simulate, stage_io, weighted_chain)
+                     region_inputs, scale_chain, segment_keep, simulate, stage_io,
+                     weighted_chain)
 from .plan import NOTHING, STORE, Segment, StageInfo
 from .solve import enumerate_plans
 from .trace import Eqn, Literal, Program, _Flattener, eval_range, nbytes
@@ -971,6 +972,20 @@ class ScanChain:
         stages = self.chain.stages[:k] + (profile,) + self.chain.stages[k + 1:]
         return dataclasses.replace(self, chain=dataclasses.replace(self.chain, stages=stages),
                                    stack=stack)
+
+
+def scaled(sc: ScanChain, f: float) -> ScanChain:
+    """`sc` with every activation byte count times `f` (one device's share of a batch
+    split over 1/f devices, memory.scale_chain); the stacked parameters are unchanged
+    (replicated under dp)."""
+    stack = sc.stack
+    chain = scale_chain(stack.chain, f)
+    whole = None if stack.whole is None else scale_chain(stack.whole, f)
+    stack = dataclasses.replace(stack, carry_bytes=int(round(stack.carry_bytes * f)),
+                                chain=chain, whole=whole, plans=iteration_plans(chain, whole))
+    out = dataclasses.replace(sc, chain=scale_chain(sc.chain, f),
+                              input_bytes=int(round(sc.input_bytes * f)))
+    return out.with_stack(stack)
 
 
 def profile_chain(program: Program, cost: CostGraph, *, measure_xla: bool = True,

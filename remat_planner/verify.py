@@ -116,9 +116,12 @@ def measure(loss_fn: Callable, params, batch, optimizer=None, has_aux: bool = Fa
     peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
             + ma.temp_size_in_bytes)
     flops = float(cost.get("flops", 0.0))
-    if _has_scan(traced.jaxpr):
+    if _has_scan(traced.jaxpr, 2 if sharding is None else 1):
         # XLA's cost analysis counts a loop body once whatever its trip count; the
-        # analytic count multiplies a scan body by its length.
+        # analytic count multiplies a scan body by its length. Sharded, XLA's count is one
+        # device's and the jaxpr's the whole step's: a step with any scan is counted from
+        # the jaxpr, so that plans of a scanned model (a scan of one iteration among
+        # them) are all counted alike.
         flops = jaxpr_flops(traced.jaxpr)
     comm = None
     if sharding is not None:
@@ -129,12 +132,13 @@ def measure(loss_fn: Callable, params, batch, optimizer=None, has_aux: bool = Fa
                        int(ma.temp_size_in_bytes), seconds, comm)
 
 
-def _has_scan(jaxpr) -> bool:
-    """Whether a (closed) jaxpr runs a scan of more than one iteration, at any depth."""
+def _has_scan(jaxpr, min_length: int = 2) -> bool:
+    """Whether a (closed) jaxpr runs a scan of at least `min_length` iterations, at any
+    depth."""
     for e in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-        if e.primitive.name == "scan" and e.params["length"] > 1:
+        if e.primitive.name == "scan" and e.params["length"] >= min_length:
             return True
-        if any(_has_scan(sub) for sub in jcore.jaxprs_in_params(e.params)):
+        if any(_has_scan(sub, min_length) for sub in jcore.jaxprs_in_params(e.params)):
             return True
     return False
 
