@@ -216,6 +216,7 @@ def _load_benchmark():
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_benchmark_script_smoke(tmp_path):
     cfg = tmp_path / "micro.yaml"
     text = (ROOT / "configs" / "gpt2-tiny.yaml").read_text()

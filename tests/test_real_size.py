@@ -14,6 +14,7 @@ from remat_planner.config import build_workload, load_config, make_optimizer
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_gpt2_small_planner_fits_each_builtin_peak_and_recomputes_no_more():
     cfg = load_config("configs/gpt2-small.yaml")
     wl = build_workload(cfg)
