@@ -5,14 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import remat_planner as rp
 from remat_planner import planner as pl
 from remat_planner.apply import builtin_policy_loss
-from remat_planner.config import build_workload, load_config, make_optimizer
 from remat_planner.plan import DOTS, DOTS_NARROW, DOTS_NO_BATCH, STORE, Segment
 from remat_planner.policies import dot_is_narrow, dot_output_size
+from test_pipeline import tiny  # noqa: F401  (gpt2-tiny workload, optimizer, analysis)
 
 # (batch, heads) as batch dims; q, k, v: (2, 4, T=16, dh=8)
 SCORES = ((2, 4, 16, 8), (2, 4, 16, 8), (((3,), (3,)), ((0, 1), (0, 1))))
@@ -55,15 +54,6 @@ def test_policy_saves_the_mix_and_recomputes_less():
     assert (2, 4, 16, 16) not in narrow
     g_narrow = jax.grad(jax.checkpoint(_attention, policy=rp.dots_narrow_saveable))(x, w)
     np.testing.assert_allclose(g_narrow, jax.grad(_attention)(x, w), rtol=1e-6)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = load_config("configs/gpt2-tiny.yaml")
-    wl = build_workload(cfg)
-    opt = make_optimizer(cfg.optimizer)
-    an = pl.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, opt)
-    return wl, opt, an
 
 
 def test_attention_stages_get_the_option_mlp_stages_do_not(tiny):
