@@ -60,7 +60,8 @@ def apply_plan(plan: Plan, loss_fn: Callable, has_aux: bool | None = None) -> Ca
         env = program.bind(leaves)
         pinned = frozenset(plan.metadata.get("pinned", ()))
         run_segments(program, plan, plan.segments, env, last, defs, pinned,
-                     _gathers(plan, program, params))
+                     _gathers(plan, program, params),
+                     scan_sharding=_scan_sharding(plan, program, params))
         return program.output(env)
 
     planned_loss.__name__ = f"planned_{getattr(loss_fn, '__name__', 'loss')}"
@@ -82,6 +83,18 @@ def _gathers(plan: Plan, program: Program, params) -> dict:
         return {}
     mesh = spec.mesh()
     return {vid: NamedSharding(mesh, g) for vid, (g, _) in gathered.items()}
+
+
+def _scan_sharding(plan: Plan, program: Program, params):
+    """Under fsdp or tp: (the ShardingSpec, parameter value id -> its PartitionSpec), what a
+    layer-stack scan needs to gather its weight slices and keep its collective outputs
+    (scan.run_scheme); None otherwise."""
+    meta = plan.metadata.get("sharding")
+    if not meta or meta["scheme"] == "dp":
+        return None
+    from .sharding import ShardingSpec, program_param_specs
+    spec = ShardingSpec.make(meta["mesh"], meta["scheme"])
+    return spec, program_param_specs(program, params, spec)
 
 
 def gather_name(vid: int) -> str:
@@ -111,7 +124,8 @@ def _by_key(lines) -> dict[str, str]:
 
 def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env: dict,
                  last: dict, defs: dict, pinned: frozenset[int] = frozenset(),
-                 gathers: dict | None = None) -> None:
+                 gathers: dict | None = None, *, keep_gathered: bool = True,
+                 scan_sharding=None) -> None:
     """Evaluate `segments` in order on `env`, checkpointing the checkpointed ones.
 
     `pinned` values (outputs of collectives in a sharded step) are tagged wherever they
@@ -120,12 +134,18 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
     sharding of the all-gathered weight): a checkpointed segment all-gathers the
     parameters it uses once, at its start (`with_sharding_constraint`), and keeps the
     gathered weights by name, so its recomputation in the backward does not all-gather
-    them again; nested segments receive them gathered."""
+    them again; nested segments receive them gathered.
+
+    With `keep_gathered=False` (inside a scan body, sharding.scan_body_shardings) the
+    gathered weights are never kept: every segment using them, checkpointed or not, gathers
+    them inside a checkpoint that does not save them, so the backward gathers each once
+    more instead of stacking every iteration's gathered weights. `scan_sharding` (a
+    ShardingSpec and parameter specs by id) is passed on to a layer-stack scan."""
     gathers = gathers or {}  # inside a region the weights arrive gathered: a no-op again
     for seg in segments:
         lo, hi = plan.stages[seg.start].start, plan.stages[seg.stop - 1].stop
         if scan.is_scan_option(seg.option):  # the layer stack, rebuilt as the scheme says
-            scan.run_stage(program, lo, hi, seg.option, env)
+            scan.run_stage(program, lo, hi, seg.option, env, scan_sharding)
             continue
         pins = [v for e in program.eqns[lo:hi] for v in e.outvars if v in pinned]
         if not seg.is_checkpoint:
@@ -134,10 +154,21 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
                 # weights gathered the same way, so the unplanned (all-store) step and the
                 # planned one partition alike and differ only by their recomputation.
                 ins, outs = stage_io(program, lo, hi, last, defs)
-                fn = make_segment_fn(program, lo, hi, ins, outs, tag=pins)
                 to_gather = [i for i, v in enumerate(ins) if v in gathers]
-                if to_gather:
-                    fn = _gathering(fn, ins, to_gather, gathers)
+                if to_gather and not keep_gathered:
+                    # Stored, but what depends on the weights alone (the gathered weights,
+                    # their casts) is computed again in the backward, not kept: everything
+                    # else is tagged and kept by name.
+                    keep = tuple(dict.fromkeys((*pins, *_activations(
+                        program, lo, hi, {ins[i] for i in to_gather}))))
+                    fn = _gathering(make_segment_fn(program, lo, hi, ins, outs, tag=keep),
+                                    ins, to_gather, gathers)
+                    fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(
+                        *[value_name(v) for v in keep]))
+                else:
+                    fn = make_segment_fn(program, lo, hi, ins, outs, tag=pins)
+                    if to_gather:
+                        fn = _gathering(fn, ins, to_gather, gathers)
                 env.update(zip(outs, fn(*[env[v] for v in ins])))
             else:
                 eval_range(program, lo, hi, env)
@@ -147,18 +178,36 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
         if seg.children:
             def body(*args, _seg=seg, _ins=ins, _outs=outs):
                 inner = dict(zip(_ins, args))
-                run_segments(program, plan, _seg.children, inner, last, defs, pinned, gathers)
+                # (scan bodies: the weights arrive gathered; their children need no own)
+                run_segments(program, plan, _seg.children, inner, last, defs, pinned,
+                             gathers if keep_gathered else None, keep_gathered=keep_gathered,
+                             scan_sharding=scan_sharding)
                 return [inner[v] for v in _outs]
         else:
             body = make_segment_fn(program, lo, hi, ins, outs, tag=saved)
         names = [value_name(v) for v in saved]
         to_gather = [i for i, v in enumerate(ins) if v in gathers]
         if to_gather:
-            names += [gather_name(ins[i]) for i in to_gather]
+            if keep_gathered:
+                names += [gather_name(ins[i]) for i in to_gather]
             body = _gathering(body, ins, to_gather, gathers)
         policy = jax.checkpoint_policies.save_only_these_names(*names)
         results = jax.checkpoint(body, policy=policy)(*[env[v] for v in ins])
         env.update(zip(outs, results))
+
+
+def _activations(program: Program, lo: int, hi: int, weights: set[int]) -> list[int]:
+    """Values computed in [lo, hi) that depend on something besides `weights` (and
+    literals): what a stored segment keeps when its weights are gathered again."""
+    derived = set(weights)
+    out = []
+    for e in program.eqns[lo:hi]:
+        ids = [v for v in e.invars if isinstance(v, int)]
+        if ids and all(v in derived for v in ids):
+            derived.update(e.outvars)
+        else:
+            out.extend(e.outvars)
+    return out
 
 
 def _gathering(body: Callable, ins, positions, gathers) -> Callable:

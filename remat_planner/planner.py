@@ -19,7 +19,6 @@ from .budget import parse_budget
 from .costmodel import CostModel, resolve as resolve_cost_model
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph, build_cost_graph
-from .errors import UnsupportedModelError
 from .graph import jaxpr_bytes, jaxpr_flops
 from .memory import (ChainModel, FixedMemory, fixed_memory, profile_stages, scale_chain,
                      simulate, weighted_chain, with_gathered_weights)
@@ -145,15 +144,11 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
     if has_aux:
         fixed = dataclasses.replace(fixed, aux_bytes=sum(program.nbytes(v)
                                                          for v in program.aux_outputs))
-    if spec is not None and spec.scheme != "dp" and scan.find_layer_scan(program) is not None:
-        raise UnsupportedModelError(
-            f"sharding {spec.scheme!r} of a scan-over-layers model is not planned yet (dp is); "
-            "set `scan_layers: false` in the model config (unrolled layers shard with every "
-            "scheme)")
     scanned = scan.profile_chain(program, cost, measure_xla=measure_xla, progress=say)
     if scanned is not None and spec is not None:
-        # dp: parameters replicated, the batch split; one device's share of the activations
-        # (the calibration compiles are the sharded step's and fit the rest)
+        # one device's share of the batch; what tensor parallelism splits further, the
+        # gathered weight slices and the kept collective outputs are left to the
+        # calibration compiles, which are the sharded step's (_calibrate_scan)
         scanned = scan.scaled(scanned, 1.0 / spec.data_size)
     if scanned is not None:  # the layers are one scan: a stage whose options are scan schemes
         cost, chain = scanned.cost, scanned.chain
@@ -232,9 +227,17 @@ def _calibrate_scan(an: Analysis, scanned: "scan.ScanChain", loss_fn, params, ba
     ckpt = tuple(Segment(i, i + 1, scan.calibration_scheme(scanned.stack) if i == k else STORE)
                  for i in range(n))
     ckpt_loss = _plan_from_segments(an, ckpt, 0, 0, params, batch).apply(loss_fn)
+    base = loss_fn
+    if an.sharding is not None and an.sharding.scheme != "dp":
+        # The unplanned step as plans run it: the scan rebuilt with every sub-stage stored,
+        # its weight slices gathered per iteration and its collective outputs tagged
+        # (scan.run_scheme), so that plans differ from it by their recomputation alone.
+        store = tuple(Segment(i, i + 1, scan.store_scheme(scanned.stack) if i == k else STORE)
+                      for i in range(n))
+        base = _plan_from_segments(an, store, 0, 0, params, batch).apply(loss_fn)
     say("measuring the step without remat and with the layer stack checkpointed (calibration)")
     with ThreadPoolExecutor(max_workers=1) as pool:  # XLA compiles release the GIL
-        pending = pool.submit(measure, loss_fn, params, batch, optimizer, has_aux,
+        pending = pool.submit(measure, base, params, batch, optimizer, has_aux,
                               sharding=an.sharding)
         ckpt_peak = measure(ckpt_loss, params, batch, optimizer, has_aux,
                             sharding=an.sharding).peak_bytes

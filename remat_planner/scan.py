@@ -290,10 +290,15 @@ class Body:
         nc, ncar = self.num_consts, self.num_carry
         return list(invals[:nc]), list(invals[nc:nc + ncar]), list(invals[nc + ncar:])
 
-    def step(self, segments: Sequence | None = None, jax_policy=None) -> Callable:
+    def step(self, segments: Sequence | None = None, jax_policy=None, *,
+             regather: dict | None = None, pinned: frozenset[int] = frozenset()) -> Callable:
         """One iteration `(consts, carry, x) -> (carry, y)`: the body replayed with the
         per-iteration plan `segments` over its sub-stages (apply.run_segments, as for a
-        whole program), or checkpointed whole under a JAX policy (`nn.remat` per block)."""
+        whole program), or checkpointed whole under a JAX policy (`nn.remat` per block).
+
+        Sharded (sharding.scan_body_shardings): `regather` weight slices are all-gathered
+        in every sub-stage using them and never kept; `pinned` values (tensor-parallel
+        partial sums, all-reduced) are kept by every checkpoint."""
         body, ncar = self.program, self.num_carry
         outs = body.outvars
 
@@ -304,7 +309,8 @@ class Body:
             else:
                 from .apply import run_segments
                 last, defs = _body_uses(self)
-                run_segments(body, self, segments, env, last, defs)
+                run_segments(body, self, segments, env, last, defs, pinned, regather,
+                             keep_gathered=False)
             return [jnp.asarray(v.val, a.dtype) if isinstance(v, Literal) else env[v]
                     for v, a in zip(outs, body.avals_out)]
 
@@ -839,6 +845,12 @@ def scan_stage_profile(stack: LayerStack, name: str, flops: float, b_in: int, b_
     return StageProfile(name, flops, tuple(options), opt.fwd_temp_bytes, opt.bwd_temp_bytes)
 
 
+def store_scheme(stack: LayerStack) -> str:
+    """Every iteration replayed with its sub-stages stored: the scan without remat, as a
+    plan's scheme (for sharded steps, which gather weight slices per sub-stage)."""
+    return ScanScheme((ScanPart(stack.length, stack.store_name),)).option
+
+
 def calibration_scheme(stack: LayerStack) -> str:
     """Every iteration with each sub-stage checkpointed keeping only its inputs: with the
     plain scan, the two points the stack's model is fitted on."""
@@ -850,10 +862,18 @@ def calibration_scheme(stack: LayerStack) -> str:
 # Rebuilding the scan (apply)
 # ---------------------------------------------------------------------------------------
 
-def run_scheme(program: Program, index: int, option: str, env: dict) -> None:
-    """Evaluate the scan at equation `index` on `env` following scheme `option`."""
+def run_scheme(program: Program, index: int, option: str, env: dict,
+               scan_sharding=None) -> None:
+    """Evaluate the scan at equation `index` on `env` following scheme `option`; with
+    `scan_sharding` (ShardingSpec, parameter specs by id: fsdp or tp), each iteration
+    gathers its weight slices and keeps its collective outputs (Body.step)."""
     eqn = program.eqns[index]
     body = layer_body(eqn)
+    regather, pinned = None, frozenset()
+    if scan_sharding is not None:
+        from .sharding import scan_body_shardings
+        regather, pinned = scan_body_shardings(eqn, body.program, scan_sharding[1],
+                                               scan_sharding[0])
     scheme = ScanScheme.parse(option)
     if scheme.length != body.length:
         from .errors import PlanMismatchError
@@ -872,7 +892,8 @@ def run_scheme(program: Program, index: int, option: str, env: dict) -> None:
     for part, layer_segments in zip(scheme.parts, plans):
         part_xs = xs if part.count == body.length else [
             jax.lax.slice_in_dim(x, pos, pos + part.count) for x in xs]
-        its = [body.step(segments) for segments in layer_segments]
+        its = [body.step(segments, regather=regather, pinned=pinned)
+               for segments in layer_segments]
         g = len(its)
         if g == 1:
             step = lambda c, x, _it=its[0]: _it(consts, c, x)  # noqa: E731
@@ -1019,9 +1040,10 @@ def profile_chain(program: Program, cost: CostGraph, *, measure_xla: bool = True
     return ScanChain(cost, chain, k, index, stack, input_bytes)
 
 
-def run_stage(program: Program, lo: int, hi: int, option: str, env: dict) -> None:
+def run_stage(program: Program, lo: int, hi: int, option: str, env: dict,
+              scan_sharding=None) -> None:
     """Evaluate equations [lo, hi) on `env`, the layer-stack scan among them following
-    scheme `option`."""
+    scheme `option` (sharded: see run_scheme)."""
     index = max((i for i in range(lo, hi) if program.eqns[i].name == "scan"),
                 key=lambda i: _eqn_flops(program, program.eqns[i]), default=None)
     if index is None:
@@ -1029,7 +1051,7 @@ def run_stage(program: Program, lo: int, hi: int, option: str, env: dict) -> Non
         raise PlanMismatchError(f"the plan runs stage equations [{lo}, {hi}) as a scan, "
                                 "but they hold none; re-plan for this model")
     eval_range(program, lo, index, env)
-    run_scheme(program, index, option, env)
+    run_scheme(program, index, option, env, scan_sharding)
     eval_range(program, index + 1, hi, env)
 
 

@@ -291,16 +291,15 @@ _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 
 
 @dataclasses.dataclass(frozen=True)
 class Communication:
-    """Collectives in one device's compiled program: count and result bytes per kind.
+    """Collectives one device executes in a compiled step: count and result bytes per kind.
 
-    Bytes are the per-device result sizes of the collective instructions as they appear
-    in the optimized HLO (a collective inside a loop body is counted once, not once per
-    iteration)."""
+    Counted per execution: a collective inside a while loop (a scan) counts once per
+    iteration (XLA's known trip count), nested loops multiply."""
 
     counts: dict
     bytes: dict
     # of those, collectives XLA tags as part of a rematerialized computation (op_name
-    # ".../rematted_computation/..."): communication repeated by recomputation
+    # ".../rematted_computation/..."): communication run by a recomputation
     recomputed_count: int = 0
     recomputed_bytes: int = 0
 
@@ -314,34 +313,80 @@ class Communication:
         return d
 
 
+_COMPUTATION = re.compile(r"^(ENTRY )?%(\S+) .*\{$")
+_WHILE_BODY = re.compile(r"\swhile\(.*\bbody=%([^,\s]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_CALLED = re.compile(r"\b(?:to_apply|calls|branch_computations|true_computation|"
+                     r"false_computation)=\{?%([^,\s}]+)")
+
+
+def _collective(rhs: str):
+    """(kind, per-device result bytes) of an HLO instruction's right-hand side, or None."""
+    m = _HLO_OP.search(rhs)
+    if not m:
+        return None
+    # the result type; a combined collective has a tuple type, whose /*index=N*/
+    # comments are skipped by the shape pattern
+    shapes = _SHAPE.findall(rhs[:m.start()])
+    if m.group(2):  # async "-start": (operands..., results...): count the results
+        shapes = shapes[len(shapes) // 2:]
+    size = 0
+    for dt, dims in shapes:
+        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+        size += n * _ITEMSIZE[dt]
+    return m.group(1), size
+
+
 def communication(hlo_text: str) -> Communication:
+    """Collectives of a compiled module's HLO text, counted per execution from its ENTRY
+    computation: while bodies times their known trip count (1 if XLA gives none), called
+    computations (call, conditional branches) once per call. Text without computations
+    (a fragment) is counted line by line."""
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group(2)
+            comps[current] = []
+            entry = current if m.group(1) else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            comps[current].append(line)
+    if entry is None:
+        comps, entry = {"": hlo_text.splitlines()}, ""
+
     counts = {k: 0 for k in _COLLECTIVES}
     sizes = {k: 0 for k in _COLLECTIVES}
-    rc = rb = 0
-    for line in hlo_text.splitlines():
-        if " = " not in line:
-            continue
-        rhs = line.split(" = ", 1)[1]  # "<result type> <opcode>(<operands>), ..."
-        m = _HLO_OP.search(rhs)
-        if not m:
-            continue
-        kind = m.group(1)
-        counts[kind] += 1
-        # the result type; a combined collective has a tuple type, whose
-        # /*index=N*/ comments are skipped by the shape pattern
-        result = rhs[:m.start()]
-        shapes = _SHAPE.findall(result)
-        if m.group(2):  # async "-start": (operands..., results...): count the results
-            shapes = shapes[len(shapes) // 2:]
-        size = 0
-        for dt, dims in shapes:
-            n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-            size += n * _ITEMSIZE[dt]
-        sizes[kind] += size
-        if "rematted_computation" in line:
-            rc += 1
-            rb += size
-    return Communication(counts, sizes, rc, rb)
+    recomputed = [0, 0]
+
+    def visit(name: str, times: int, depth: int) -> None:
+        if depth > 64:
+            return
+        for line in comps.get(name, ()):
+            if " = " not in line:
+                continue
+            rhs = line.split(" = ", 1)[1]  # "<result type> <opcode>(<operands>), ..."
+            found = _collective(rhs)
+            if found:
+                kind, size = found
+                counts[kind] += times
+                sizes[kind] += times * size
+                if "rematted_computation" in line:
+                    recomputed[0] += times
+                    recomputed[1] += times * size
+                continue
+            body = _WHILE_BODY.search(rhs)
+            if body:
+                trips = _TRIP_COUNT.search(rhs)
+                visit(body.group(1), times * (int(trips.group(1)) if trips else 1), depth + 1)
+            elif " call(" in rhs or " conditional(" in rhs:
+                for callee in _CALLED.findall(rhs):
+                    visit(callee, times, depth + 1)
+
+    visit(entry, 1, 0)
+    return Communication(counts, sizes, recomputed[0], recomputed[1])
 
 
 # ---------------------------------------------------------------------------------------
@@ -366,10 +411,19 @@ def collective_outputs(program, params, spec: ShardingSpec) -> frozenset[int]:
     (after the backward); see docs/guide.md for what remat does to the all-gathers."""
     if spec is None or spec.model_axis is None:
         return frozenset()
+    return _split_contractions(program, program_param_specs(program, params, spec))
+
+
+def program_param_specs(program, params, spec: ShardingSpec) -> dict[int, P]:
+    """Parameter value id (the program's first `n_param_leaves` inputs) -> its spec."""
     specs = jax.tree.leaves(param_specs(params, spec), is_leaf=lambda x: isinstance(x, P))
-    origin: dict[int, P] = {}
-    for vid, s in zip(program.invars[:program.n_param_leaves], specs):
-        origin[vid] = s
+    return dict(zip(program.invars[:program.n_param_leaves], specs))
+
+
+def _split_contractions(program, origin: dict[int, P]) -> frozenset[int]:
+    """Outputs of dot_general / gather that contract or index a dimension of a value in
+    `origin` (value id -> spec) split over the model axis: partial sums XLA all-reduces."""
+    origin = dict(origin)
 
     def split_dims(v) -> set[int]:
         s = origin.get(v) if isinstance(v, int) else None
@@ -411,6 +465,36 @@ def gathered_spec(s: P, spec: ShardingSpec) -> P:
         kept = [a for a in axes if a is not None and a not in spec.data_axes]
         out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
     return P(*out)
+
+
+def scan_body_shardings(eqn, body_program, param_specs_by_id: dict[int, P],
+                        spec: ShardingSpec):
+    """Inside the body of a scan over stacked parameters: (body input id -> NamedSharding
+    of the all-gathered weight slice, under fsdp; the body's values produced by a
+    tensor-parallel collective). A stacked parameter's slice has the stack's spec without
+    its leading (layer) dimension; a parameter passed as a scan constant keeps its spec.
+
+    The scan rebuilt by a plan (scan.run_scheme) gathers each iteration's weights at the
+    start of every sub-stage and does not keep them: the backward gathers them again once
+    per iteration (as ZeRO-3 does, and as XLA does for the scan without remat), and that
+    one gather serves both the recomputation and the gradient. Keeping them would stack
+    every layer's gathered weights: a full copy of the parameters per device."""
+    nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+    origin: dict[int, P] = {}
+    for j, (outer, inner) in enumerate(zip(eqn.invars, body_program.invars)):
+        s = param_specs_by_id.get(outer) if isinstance(outer, int) else None
+        if s is None or nc <= j < nc + ncar:
+            continue
+        origin[inner] = s if j < nc else P(*list(s)[1:])
+    regather = {}
+    if spec.scheme in ("fsdp", "fsdp+tp"):
+        mesh = spec.mesh()
+        for vid, s in origin.items():
+            g = gathered_spec(s, spec)
+            if g != s:
+                regather[vid] = NamedSharding(mesh, g)
+    pinned = _split_contractions(body_program, origin) if spec.model_axis else frozenset()
+    return regather, pinned
 
 
 def gathered_params(program, params, spec: ShardingSpec) -> dict[int, tuple[P, int]]:

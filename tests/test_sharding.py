@@ -209,25 +209,25 @@ def test_config_keys(tmp_path):
         load_config(path)
 
 
-def test_scanned_model_with_fsdp_is_refused_in_one_line(tmp_path, capsys):
-    path = tmp_path / "scanned.yaml"
-    path.write_text(Path(CONFIG).read_text().replace("scan_layers: false", "scan_layers: true"))
-    code = main([str(path), "--budget", "10MB", "--batch-size", "8", "--mesh", "data=8",
-                 "--sharding", "fsdp"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and "\n" not in err and "scan_layers: false" in err
-
-
-def test_scanned_model_dp_fits_three_budgets_and_gradients_are_exact(tmp_path, real_inputs):
-    """The same tiny llama with its blocks in one scan, data parallel on 8 devices: XLA's
-    per-device peak within three per-device budgets; the sharded planned step's loss and
-    gradients equal the unsharded unplanned step's of the same scanned model."""
-    path = tmp_path / "scanned.yaml"
+@pytest.fixture(scope="module")
+def scanned(tmp_path_factory):
+    """The same tiny llama with its blocks in one scan (`scan_layers: true`)."""
+    path = tmp_path_factory.mktemp("scanned") / "scanned.yaml"
     path.write_text(Path(CONFIG).read_text().replace("scan_layers: false", "scan_layers: true"))
     cfg = load_config(path, batch_size=BATCH)
-    wl, opt = build_workload(cfg), make_optimizer(cfg.optimizer)
-    an = rp.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, opt, mesh="data=8",
-                    sharding="dp")
+    return build_workload(cfg), make_optimizer(cfg.optimizer)
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_scanned_model_fits_three_budgets_and_gradients_are_exact(scheme, scanned, real_inputs):
+    """The scanned tiny llama on 8 devices, dp, fsdp and fsdp+tp: XLA's per-device peak
+    within three per-device budgets; the planned step executes no more communication than
+    the unplanned one (loop bodies counted per iteration: under fsdp each iteration's
+    weights are all-gathered in the forward and once more in the backward, by both); the
+    sharded planned step's loss and gradients equal the unsharded unplanned step's."""
+    wl, opt = scanned
+    an = rp.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, opt,
+                    mesh=SCHEMES[scheme], sharding=scheme)
     noremat = an.noremat.peak_bytes
     plans = []
     for frac in FRACTIONS:
@@ -235,9 +235,17 @@ def test_scanned_model_dp_fits_three_budgets_and_gradients_are_exact(tmp_path, r
         p = rp.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, opt, analysis=an)
         assert p.measured_peak_bytes <= budget, (frac, p.measured_peak_bytes, budget)
         assert any(s.option.startswith("scan:") for s in p.segments)
-        assert 0.0 <= p.measured_flops / an.noremat.flops - 1 < 0.5  # counted alike
+        # counted alike (under fsdp the unplanned replay recomputes what depends on the
+        # weights alone in the backward; plans measured up to 1e-4 below it)
+        assert -1e-3 <= p.measured_flops / an.noremat.flops - 1 < 0.5
         plans.append(p)
     assert plans[-1].measured_peak_bytes < noremat and plans[-1].recompute_flops > 0
+    if scheme != "dp":
+        before = an.noremat.communication
+        for p in plans:
+            after = p.metadata["communication"]
+            for kind in ("all-gather", "all-reduce", "reduce-scatter"):
+                assert after[kind]["bytes"] <= before[kind]["bytes"] * 1.01, (kind, before, after)
 
     _, batch = real_inputs
     stacked = wl.init_params(jax.random.key(0))  # parameters stacked over the layers
@@ -249,6 +257,26 @@ def test_scanned_model_dp_fits_three_budgets_and_gradients_are_exact(tmp_path, r
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                  grads, ref_grads)
+
+
+def test_scan_body_gathers_weight_slices_and_pins_row_parallel_outputs(scanned):
+    """Inside the layer scan's body, fsdp+tp: every split weight slice is gathered over the
+    data axis (still split over `model`), and the row-parallel projections' outputs are
+    the body's collective outputs; plain fsdp pins nothing."""
+    wl, _ = scanned
+    from remat_planner import scan
+    from remat_planner.trace import trace
+    program = trace(wl.loss_fn, wl.abstract_params, *wl.abstract_batch)
+    eqn = program.eqns[scan.find_layer_scan(program)]
+    body = scan.layer_body(eqn)
+    for scheme, mesh in (("fsdp+tp", "data=4,model=2"), ("fsdp", "data=8")):
+        spec = sh.ShardingSpec.make(mesh, scheme)
+        regather, pinned = sh.scan_body_shardings(
+            eqn, body.program, sh.program_param_specs(program, wl.abstract_params, spec), spec)
+        assert regather and all("data" not in str(s.spec) for s in regather.values())
+        producers = {e.module_path.split("/")[-1] for e in body.program.eqns
+                     if set(e.outvars) & pinned}
+        assert producers == ({"o_proj", "down_proj"} if scheme == "fsdp+tp" else set())
 
 
 def test_communication_parser():
@@ -263,3 +291,27 @@ def test_communication_parser():
     assert (c.recomputed_count, c.recomputed_bytes) == (1, 16)
     assert c.counts["all-reduce"] == 1 and c.bytes["all-reduce"] == 8 * 4 + 16 * 2
     assert c.total_bytes == 128 * 352 * 4 + 64 + 16
+
+
+def test_communication_counts_loop_bodies_per_iteration():
+    """A collective in a while body counts once per iteration (known trip count), in a
+    nested loop per iteration of both, in a called computation once per call."""
+    hlo = """HloModule m
+
+%inner (p: f32[2]) -> f32[2] {
+  %ag = f32[8]{0} all-gather(f32[2]{0} %p), replica_groups={}
+}
+
+%body (p: f32[2]) -> f32[2] {
+  %ar = f32[4]{0} all-reduce(f32[4]{0} %p), to_apply=%add
+  %w2 = f32[2]{0} while(%p), condition=%c2, body=%inner, backend_config={"known_trip_count":{"n":"3"}}
+}
+
+ENTRY %main (a: f32[2]) -> f32[2] {
+  %w = f32[2]{0} while(%a), condition=%c, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %top = f32[4]{0} all-reduce(f32[4]{0} %a), to_apply=%add
+}
+"""
+    c = sh.communication(hlo)
+    assert c.counts["all-reduce"] == 5 + 1 and c.bytes["all-reduce"] == 6 * 16
+    assert c.counts["all-gather"] == 15 and c.bytes["all-gather"] == 15 * 32
