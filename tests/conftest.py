@@ -14,7 +14,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # The longest files first: `pytest -n 2 --dist loadfile` hands whole files to the two
 # workers in collection order, so a long file collected last would run alone at the end
 # (measured: the reliability sweep, collected last, ran ~10 minutes on one worker).
-_LONGEST_FIRST = ("test_sweep.py", "test_reliability.py", "test_nonchain.py",
+_LONGEST_FIRST = ("test_sweep.py", "test_sweep_b.py", "test_reliability.py", "test_nonchain.py",
                   "test_frontier.py", "test_models.py", "test_sharding.py")
 
 

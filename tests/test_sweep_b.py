@@ -1,0 +1,15 @@
+"""The second half of the reliability sweep (tests/test_sweep.py, SECOND_HALF): a file of
+its own so that the two halves run on different pytest-xdist workers."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_reliability import model  # noqa: F401  (the shared fixture)
+from test_sweep import check_sweep, sweep_params
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", sweep_params(second_half=True), indirect=True)
+def test_sweep_never_over_budget_and_recompute_never_rises(model):
+    check_sweep(model)
