@@ -1,12 +1,13 @@
 """Per-device peaks, recompute overheads and communication of planned sharded steps.
 
-    python scripts/shard_report.py [CONFIG] [--batch-size 32] [--fraction 0.5]
+    python scripts/shard_report.py [CONFIG] [--batch-size 32] [--fraction 0.5] [--scan-layers]
 
 Runs on 8 simulated CPU devices (set here, before JAX starts). For each scheme (dp and
 fsdp on data=8; tp and fsdp+tp on data=4,model=2) it plans the config's step at a
 per-device budget `fraction` of the way from fixed memory to the unplanned step's
 per-device peak, and prints XLA's per-device peaks, the measured FLOP overhead and the
-collectives (count and bytes) of the compiled unplanned and planned steps.
+collectives (count and bytes, loop bodies once per iteration) of the compiled unplanned
+and planned steps. `--scan-layers` stacks the config's blocks in one scan first.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def main() -> None:
     ap.add_argument("config", nargs="?", default="configs/llama-tiny.yaml")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--fraction", type=float, default=0.5)
+    ap.add_argument("--scan-layers", action="store_true",
+                    help="plan the config with `scan_layers: true`")
     args = ap.parse_args()
 
     import remat_planner as rp
@@ -34,9 +37,12 @@ def main() -> None:
     from remat_planner.config import build_workload, load_config, make_optimizer
 
     cfg = load_config(args.config, batch_size=args.batch_size)
+    if args.scan_layers:
+        cfg = cfg.model_copy(update={"model": {**cfg.model, "scan_layers": True}})
     wl, opt = build_workload(cfg), make_optimizer(cfg.optimizer)
     unsharded = rp.measure(wl.loss_fn, wl.abstract_params, wl.abstract_batch, opt)
-    print(f"{args.config}, batch {args.batch_size}: one device, no remat: "
+    print(f"{args.config}{' (scan_layers: true)' if args.scan_layers else ''}, batch "
+          f"{args.batch_size}: one device, no remat: "
           f"{fb(unsharded.peak_bytes)}")
     print("| scheme | mesh | fixed / device | no-remat peak / device | budget | planned peak "
           "/ device | FLOP overhead | all-gather (no remat -> plan) | all-reduce (no remat "

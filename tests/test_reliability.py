@@ -87,7 +87,7 @@ def _assert_one_line(err: Exception) -> None:
 # ------------------------------------------------------------------------------------------
 
 # ------------------------------------------------------------------------------------------
-# 2. Exact gradients
+# 2. Exact gradients (check_gradients, run per model by tests/test_sweep*.py)
 # ------------------------------------------------------------------------------------------
 
 def _assert_trees_close(got, want, rtol=1e-5):
@@ -100,9 +100,9 @@ def _assert_trees_close(got, want, rtol=1e-5):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * float(np.abs(b).max()))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model", _params(), indirect=True)
-def test_planned_loss_and_gradients_equal_unplanned(model):
+# Run per model by tests/test_sweep.py and test_sweep_b.py, which share the model's
+# analysis with the sweep.
+def check_gradients(model):
     """On real random inputs, the plans at the smallest feasible budget (deepest nesting)
     and halfway to the no-remat peak give the unplanned loss (and aux) and gradients.
 

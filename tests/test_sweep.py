@@ -1,6 +1,7 @@
 """Reliability, guarantee 1 (see test_reliability.py): on every sample model, XLA's peak of
 every plan within its budget over a sweep of SWEEP_BUDGETS budgets, and recompute never
-rising as the budget grows. Files of their own, this one and test_sweep_b.py (the models
+rising as the budget grows; and guarantee 2, exact gradients, sharing the analysis. Files
+of their own, this one and test_sweep_b.py (the models
 in SECOND_HALF), so that `pytest -n 2 --dist loadfile` runs the two halves and the rest
 of test_reliability.py side by side. A new `configs/*-tiny.yaml` joins this file."""
 
@@ -11,7 +12,8 @@ import pytest
 
 import remat_planner as rp
 from test_reliability import (KNOWN_NON_MONOTONE, SWEEP_BUDGETS, _assert_one_line, _params,
-                              _plan, model)  # noqa: F401  (model: the shared fixture)
+                              _plan, check_gradients,
+                              model)  # noqa: F401  (model: the shared fixture)
 
 
 # test_sweep_b.py's models, about half of the sweep's compile time (measured per model:
@@ -19,14 +21,23 @@ from test_reliability import (KNOWN_NON_MONOTONE, SWEEP_BUDGETS, _assert_one_lin
 SECOND_HALF = ("bert-tiny", "vit-tiny", "resnet-tiny", "llama-tiny")
 
 
-def sweep_params(second_half: bool):
-    return [p for p in _params(KNOWN_NON_MONOTONE) if (p.id in SECOND_HALF) == second_half]
+def sweep_params(second_half: bool, known_failures: bool = True):
+    params = _params(KNOWN_NON_MONOTONE if known_failures else None)
+    return [p for p in params if (p.id in SECOND_HALF) == second_half]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", sweep_params(second_half=False), indirect=True)
 def test_sweep_never_over_budget_and_recompute_never_rises(model):
     check_sweep(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", sweep_params(second_half=False, known_failures=False),
+                         indirect=True)
+def test_planned_loss_and_gradients_equal_unplanned(model):
+    """Reliability, guarantee 2: see test_reliability.check_gradients."""
+    check_gradients(model)
 
 
 def check_sweep(model):

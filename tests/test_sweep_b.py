@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from test_reliability import model  # noqa: F401  (the shared fixture)
+from test_reliability import check_gradients
 from test_sweep import check_sweep, sweep_params
 
 
@@ -13,3 +14,11 @@ from test_sweep import check_sweep, sweep_params
 @pytest.mark.parametrize("model", sweep_params(second_half=True), indirect=True)
 def test_sweep_never_over_budget_and_recompute_never_rises(model):
     check_sweep(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", sweep_params(second_half=True, known_failures=False),
+                         indirect=True)
+def test_planned_loss_and_gradients_equal_unplanned(model):
+    """Reliability, guarantee 2: see test_reliability.check_gradients."""
+    check_gradients(model)
