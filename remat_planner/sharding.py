@@ -224,7 +224,7 @@ def batch_specs(batch, spec: ShardingSpec):
             where = f"batch[{path[0].idx}]" if path and hasattr(path[0], "idx") else "batch"
             raise ConfigError(
                 f"{where} {list(shape)}: batch dimension {shape[0]} is not divisible by the "
-                f"data axes {'x'.join(axes)} ({n} devices); use a batch size that is a "
+                f"data axes {' x '.join(axes)} ({n} devices); use a batch size that is a "
                 f"multiple of {n} (--batch-size)")
         return P(axes[0] if len(axes) == 1 else axes)
     return jax.tree_util.tree_map_with_path(one, tuple(batch))
