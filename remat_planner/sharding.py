@@ -41,6 +41,8 @@ _AXIS_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # XLA all-reduces): attention output and MLP down projections of the sample models.
 _ROW_PARALLEL = re.compile(r"(^|/)(o_proj|out_proj|down_proj|c_proj|proj_out|out|wo|fc2|"
                            r"output|mlp_out|attn_out)(/|$)")
+# Parameter leaves that are per-feature vectors (Flax names), stacked or not.
+_VECTOR_LEAVES = frozenset({"scale", "bias"})
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
@@ -170,10 +172,12 @@ def _tp_dim(path: str, shape) -> int | None:
     """Which dimension of a parameter tensor parallelism splits, or None (replicated).
     Kernels (ndim >= 2, the last two dims are in/out): row-parallel ones on the input
     dim, the others on the output dim; embeddings (`embedding`) on the vocabulary (the
-    first of the last two dims); vectors (norm scales, biases) replicated."""
-    if len(shape) < 2:
-        return None
+    first of the last two dims); vectors (norm scales, biases) replicated, also when a
+    scan over layers stacks them into a matrix (leaf `scale` or `bias`): splitting a norm
+    scale over `model` makes XLA split the residual stream and all-reduce the norm."""
     leaf = path.rsplit("/", 1)[-1]
+    if len(shape) < 2 or leaf in _VECTOR_LEAVES:
+        return None
     if leaf == "embedding":
         return len(shape) - 2
     if _ROW_PARALLEL.search(path.rsplit("/", 1)[0]):
