@@ -398,9 +398,6 @@ def communication(hlo_text: str) -> Communication:
 # ---------------------------------------------------------------------------------------
 
 # Shape-preserving unary ops through which a parameter keeps its sharding.
-_PASS_THROUGH = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision",
-                           "stop_gradient"})
-
 
 def collective_outputs(program, params, spec: ShardingSpec) -> frozenset[int]:
     """Program values that XLA's SPMD partitioner produces with a collective over the
@@ -424,38 +421,117 @@ def program_param_specs(program, params, spec: ShardingSpec) -> dict[int, P]:
     return dict(zip(program.invars[:program.n_param_leaves], specs))
 
 
-def _split_contractions(program, origin: dict[int, P]) -> frozenset[int]:
-    """Outputs of dot_general / gather that contract or index a dimension of a value in
-    `origin` (value id -> spec) split over the model axis: partial sums XLA all-reduces."""
-    origin = dict(origin)
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
+                         "reduce_and", "reduce_or", "argmax", "argmin"})
 
-    def split_dims(v) -> set[int]:
-        s = origin.get(v) if isinstance(v, int) else None
-        if s is None:
-            return set()
-        out = set()
-        for d, ax in enumerate(s):
-            axes = ax if isinstance(ax, tuple) else (ax,)
-            if MODEL_AXIS in axes:
-                out.add(d)
-        return out
+
+# Parameters that hold sub-programs (scan, while, cond, calls, checkpoints): what their
+# outputs are split on is not an elementwise function of their inputs.
+_HIGHER_ORDER = frozenset({"jaxpr", "call_jaxpr", "fun_jaxpr", "body_jaxpr", "cond_jaxpr",
+                           "branches"})
+
+
+def _model_dims(s: P) -> frozenset[int]:
+    out = set()
+    for d, ax in enumerate(s):
+        axes = ax if isinstance(ax, tuple) else (ax,)
+        if MODEL_AXIS in axes:
+            out.add(d)
+    return frozenset(out)
+
+
+def _reshape_dims(dims, old: tuple, new: tuple) -> set[int]:
+    """Split dims of a reshape's operand mapped to its result: a dim maps to the result
+    dim that starts at the same flat offset and whose size it divides or equals (a split
+    [.., h * d] -> [.., h, d] stays split on h); dims that do not line up are dropped."""
+    out = set()
+    for d in dims:
+        prefix = int(np.prod(old[:d]))
+        for e in range(len(new)):
+            if int(np.prod(new[:e])) == prefix and new[e] > 1 and (
+                    old[d] % new[e] == 0 or new[e] % old[d] == 0):
+                out.add(e)
+                break
+    return out
+
+
+def _split_contractions(program, origin: dict[int, P]) -> frozenset[int]:
+    """Values XLA's SPMD partitioner produces with a collective over the model axis.
+
+    Starting from `origin` (value id -> spec, the parameters) it follows which dims of
+    each value are split over `model` (column-parallel outputs split on their features,
+    their elementwise successors, transposes, broadcasts and reshapes). A value is a
+    collective's output when its equation combines a split dimension: a `dot_general`
+    contracting one (row-parallel partial sums, all-reduced), a reduction over one (the
+    log-softmax max and sum over vocabulary-split logits), a `gather` indexing one (an
+    embedding lookup, a `take_along_axis` on split logits). Those outputs are replicated
+    over `model` again."""
+    avals = getattr(program, "avals", {})
+    split: dict[int, frozenset[int]] = {v: _model_dims(s) for v, s in origin.items()}
+    split = {v: d for v, d in split.items() if d}
+
+    def dims(v) -> frozenset[int]:
+        return split.get(v, frozenset()) if isinstance(v, int) else frozenset()
+
+    def shape(v) -> tuple:
+        a = avals.get(v) if isinstance(v, int) else None
+        return tuple(getattr(a, "shape", ())) if a is not None else None
 
     pinned = set()
     for e in program.eqns:
-        name = e.name
-        if name in _PASS_THROUGH and len(e.invars) == 1 and isinstance(e.invars[0], int) \
-                and e.invars[0] in origin:
-            origin[e.outvars[0]] = origin[e.invars[0]]
-        elif name == "dot_general":
-            (lc, rc), _ = e.params["dimension_numbers"]
-            lhs, rhs = e.invars[:2]
-            if split_dims(lhs) & set(lc) or split_dims(rhs) & set(rc):
+        name, ins = e.name, e.invars
+        if not any(dims(v) for v in ins):
+            continue
+        out: set[int] = set()
+        if name == "dot_general":
+            (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+            ld, rd = dims(ins[0]), dims(ins[1])
+            if ld & set(lc) or rd & set(rc):
                 pinned.update(e.outvars)
+                continue
+            lhs_free = [d for d in range(len(shape(ins[0]) or ())) if d not in lc and d not in lb]
+            rhs_free = [d for d in range(len(shape(ins[1]) or ())) if d not in rc and d not in rb]
+            order = list(lb) + lhs_free
+            out = {i for i, d in enumerate(order) if d in ld}
+            out |= {len(lb) + len(lhs_free) + i for i, d in enumerate(rhs_free) if d in rd}
+            out |= {i for i, d in enumerate(rb) if d in rd}
         elif name == "gather":
-            operand = e.invars[0]
             collapsed = set(e.params["dimension_numbers"].collapsed_slice_dims)
-            if split_dims(operand) & collapsed:
+            if dims(ins[0]) & collapsed:
                 pinned.update(e.outvars)
+            continue
+        elif name in _REDUCTIONS:
+            axes = set(e.params.get("axes", ()))
+            if "axis" in e.params:
+                axes.add(e.params["axis"])
+            d = dims(ins[0])
+            if d & axes:
+                pinned.update(e.outvars)
+                continue
+            keep = [i for i in range(len(shape(ins[0]) or ())) if i not in axes]
+            out = {j for j, i in enumerate(keep) if i in d}
+        elif name == "transpose":
+            perm = e.params["permutation"]
+            out = {j for j, i in enumerate(perm) if i in dims(ins[0])}
+        elif name == "broadcast_in_dim":
+            bd = e.params["broadcast_dimensions"]
+            out = {bd[i] for i in dims(ins[0])}
+        elif name == "reshape":
+            old, new = shape(ins[0]), shape(e.outvars[0])
+            if old is not None and new is not None:
+                out = _reshape_dims(dims(ins[0]), old, new)
+        elif len(e.outvars) == 1 and shape(e.outvars[0]) is not None \
+                and not _HIGHER_ORDER & e.params.keys():
+            # elementwise and shape-preserving ops: a split dim survives where the
+            # operand has the result's rank and full size on it
+            res = shape(e.outvars[0])
+            for v in ins:
+                sv = shape(v)
+                if sv is not None and len(sv) == len(res):
+                    out |= {d for d in dims(v) if sv[d] == res[d] and res[d] > 1}
+        if out:
+            for v in e.outvars:
+                split[v] = frozenset(out)
     return frozenset(pinned)
 
 
