@@ -137,9 +137,10 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
     them again; nested segments receive them gathered.
 
     With `keep_gathered=False` (inside a scan body, sharding.scan_body_shardings) the
-    gathered weights are never kept: every segment using them, checkpointed or not, gathers
-    them inside a checkpoint that does not save them, so the backward gathers each once
-    more instead of stacking every iteration's gathered weights. `scan_sharding` (a
+    gathered weight matrices are never kept: every segment using them, checkpointed or
+    not, gathers them inside a checkpoint that does not save them, so the backward gathers
+    each once more instead of stacking every iteration's gathered weights (gathered
+    vectors, biases and norm scales, are kept: see _vectors). `scan_sharding` (a
     ShardingSpec and parameter specs by id) is passed on to a layer-stack scan."""
     gathers = gathers or {}  # inside a region the weights arrive gathered: a no-op again
     for seg in segments:
@@ -164,7 +165,8 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
                     fn = _gathering(make_segment_fn(program, lo, hi, ins, outs, tag=keep),
                                     ins, to_gather, gathers)
                     fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(
-                        *[value_name(v) for v in keep]))
+                        *[value_name(v) for v in keep],
+                        *[gather_name(ins[i]) for i in _vectors(program, ins, to_gather)]))
                 else:
                     fn = make_segment_fn(program, lo, hi, ins, outs, tag=pins)
                     if to_gather:
@@ -188,12 +190,20 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
         names = [value_name(v) for v in saved]
         to_gather = [i for i, v in enumerate(ins) if v in gathers]
         if to_gather:
-            if keep_gathered:
-                names += [gather_name(ins[i]) for i in to_gather]
+            kept = to_gather if keep_gathered else _vectors(program, ins, to_gather)
+            names += [gather_name(ins[i]) for i in kept]
             body = _gathering(body, ins, to_gather, gathers)
         policy = jax.checkpoint_policies.save_only_these_names(*names)
         results = jax.checkpoint(body, policy=policy)(*[env[v] for v in ins])
         env.update(zip(outs, results))
+
+
+def _vectors(program: Program, ins, positions) -> list[int]:
+    """The positions among `positions` whose values are vectors (biases, norm scales).
+    Inside a scan body their gathered copies are kept all the same: a stacked copy of the
+    model's vectors is small, and without it the recomputation all-gathers them again
+    while the stored backward (which needs no bias) does not."""
+    return [i for i in positions if len(getattr(program.avals.get(ins[i]), "shape", (0, 0))) <= 1]
 
 
 def _activations(program: Program, lo: int, hi: int, weights: set[int]) -> list[int]:

@@ -866,14 +866,16 @@ def run_scheme(program: Program, index: int, option: str, env: dict,
                scan_sharding=None) -> None:
     """Evaluate the scan at equation `index` on `env` following scheme `option`; with
     `scan_sharding` (ShardingSpec, parameter specs by id: fsdp or tp), each iteration
-    gathers its weight slices and keeps its collective outputs (Body.step)."""
+    gathers its weight slices and keeps its collective outputs (Body.step), and under tp
+    its carry is replicated over `model` (sharding.carry_constraint)."""
     eqn = program.eqns[index]
     body = layer_body(eqn)
-    regather, pinned = None, frozenset()
+    regather, pinned, pin_carry = None, frozenset(), None
     if scan_sharding is not None:
-        from .sharding import scan_body_shardings
+        from .sharding import carry_constraint, scan_body_shardings
         regather, pinned = scan_body_shardings(eqn, body.program, scan_sharding[1],
                                                scan_sharding[0])
+        pin_carry = carry_constraint(scan_sharding[0])
     scheme = ScanScheme.parse(option)
     if scheme.length != body.length:
         from .errors import PlanMismatchError
@@ -894,6 +896,9 @@ def run_scheme(program: Program, index: int, option: str, env: dict,
             jax.lax.slice_in_dim(x, pos, pos + part.count) for x in xs]
         its = [body.step(segments, regather=regather, pinned=pinned)
                for segments in layer_segments]
+        if pin_carry is not None:
+            carry = pin_carry(carry)
+            its = [_pinning_carry(f, pin_carry) for f in its]
         g = len(its)
         if g == 1:
             step = lambda c, x, _it=its[0]: _it(consts, c, x)  # noqa: E731
@@ -927,6 +932,14 @@ def _named_chain(body: Body) -> tuple[ChainModel, ChainModel | None]:
         _CHAINS[key] = (body_chain(body, measure_xla=False),
                         whole_body_chain(body, measure_xla=False))
     return _CHAINS[key]
+
+
+def _pinning_carry(it: Callable, pin: Callable) -> Callable:
+    """Iteration `it` with its carry in and out laid out by `pin`."""
+    def step(consts, carry, x):
+        carry, ys = it(consts, pin(carry), x)
+        return pin(carry), ys
+    return step
 
 
 def _mixed_step(its: Sequence[Callable], consts, carry, x):

@@ -461,11 +461,12 @@ def _split_contractions(program, origin: dict[int, P]) -> frozenset[int]:
     Starting from `origin` (value id -> spec, the parameters) it follows which dims of
     each value are split over `model` (column-parallel outputs split on their features,
     their elementwise successors, transposes, broadcasts and reshapes). A value is a
-    collective's output when its equation combines a split dimension: a `dot_general`
+    collective's output when its equation combines or cuts a split dimension: a `dot_general`
     contracting one (row-parallel partial sums, all-reduced), a reduction over one (the
     log-softmax max and sum over vocabulary-split logits), a `gather` indexing one (an
-    embedding lookup, a `take_along_axis` on split logits). Those outputs are replicated
-    over `model` again."""
+    embedding lookup, a `take_along_axis` on split logits), a slice or split along one
+    (q, k and v cut out of a fused projection: XLA reshuffles them with collective
+    permutes)."""
     avals = getattr(program, "avals", {})
     split: dict[int, frozenset[int]] = {v: _model_dims(s) for v, s in origin.items()}
     split = {v: d for v, d in split.items() if d}
@@ -510,6 +511,20 @@ def _split_contractions(program, origin: dict[int, P]) -> frozenset[int]:
                 continue
             keep = [i for i in range(len(shape(ins[0]) or ())) if i not in axes]
             out = {j for j, i in enumerate(keep) if i in d}
+        elif name in ("split", "slice", "dynamic_slice"):
+            # a slice along a split dimension does not line up with the devices' shards
+            # (q, k, v cut out of a fused projection): XLA reshuffles it with collective
+            # permutes / all-to-alls, and the pieces stay split
+            d, src = dims(ins[0]), shape(ins[0])
+            res = [shape(v) for v in e.outvars]
+            if src is None or any(r is None or len(r) != len(src) for r in res):
+                continue
+            cut = {i for r in res for i in range(len(src)) if r[i] != src[i]}
+            if d & cut:
+                pinned.update(e.outvars)
+            for v, r in zip(e.outvars, res):
+                split[v] = frozenset(i for i in d if r[i] > 1)
+            continue
         elif name == "transpose":
             perm = e.params["permutation"]
             out = {j for j, i in enumerate(perm) if i in dims(ins[0])}
@@ -575,6 +590,34 @@ def scan_body_shardings(eqn, body_program, param_specs_by_id: dict[int, P],
                 regather[vid] = NamedSharding(mesh, g)
     pinned = _split_contractions(body_program, origin) if spec.model_axis else frozenset()
     return regather, pinned
+
+
+def carry_constraint(spec: ShardingSpec):
+    """Under tp (a `model` axis), a function constraining a scan's carries to be split on
+    their first (batch) dimension over the data axes and replicated over `model`, else
+    None. Left to itself XLA may split the carry, a transformer's residual stream, over
+    `model` on its feature dimension (after a column-parallel patch embedding, say): its
+    norms then all-reduce inside the loop body and the activations are all-gathered and
+    re-laid out, collectives with no equation in the jaxpr that a recomputed sub-stage
+    repeats. Megatron's layout keeps the residual stream replicated over the
+    tensor-parallel group. Carries whose first dimension the data axes do not divide, and
+    scalars, are left alone."""
+    if spec.model_axis is None:
+        return None
+    mesh, n = spec.mesh(), spec.data_size
+    axes = spec.data_axes
+    lead = axes[0] if len(axes) == 1 else axes
+
+    def pin(carry):
+        out = []
+        for v in carry:
+            shape = np.shape(v)
+            if shape and shape[0] % n == 0:
+                v = jax.lax.with_sharding_constraint(
+                    v, NamedSharding(mesh, P(lead, *([None] * (len(shape) - 1)))))
+            out.append(v)
+        return out
+    return pin
 
 
 def gathered_params(program, params, spec: ShardingSpec) -> dict[int, tuple[P, int]]:

@@ -324,26 +324,41 @@ ENTRY %main (a: f32[2]) -> f32[2] {
     assert c.counts["all-gather"] == 15 and c.bytes["all-gather"] == 15 * 32
 
 
-def test_scanned_tp_nothing_plan_repeats_no_collective(scanned):
-    """tp inside a scanned body: a sub-stage checkpointed with `nothing` recomputes
-    everything it computes, and the step still executes exactly the collectives of the
-    unplanned replay. This failed while stacked norm scales ([layers, d]) were split over
-    `model` like kernels: XLA then split the residual stream, all-reduced the RMSNorm sum
-    and all-gathered activations, and recomputation repeated those (43 -> 51 all-reduces,
-    32 -> 36 all-gathers on this model)."""
-    wl, opt = scanned
+@pytest.mark.parametrize("config,scheme", [
+    ("llama-tiny", "tp"),       # stacked RMSNorm scales
+    ("gpt2-tiny", "fsdp+tp"),   # q, k, v sliced out of a fused projection; stacked biases
+    ("vit-tiny", "tp"),         # a column-parallel patch embedding splits the residual stream
+])
+def test_scanned_tp_nothing_plan_repeats_no_collective(config, scheme, tmp_path):
+    """tp inside a scanned body: every sub-stage checkpointed with `nothing` recomputes
+    everything it computes, and the step still executes exactly the collectives (all five
+    kinds, per execution) of the unplanned replay. What made it fail, and is fixed:
+    stacked norm scales ([layers, d]) split over `model` like kernels (XLA then split the
+    residual stream, all-reduced the RMSNorm sum and all-gathered activations: 43 -> 51
+    all-reduces and 32 -> 36 all-gathers on the llama); q, k, v sliced out of a fused
+    projection (collective permutes: 8 -> 16 on gpt2); stacked biases gathered again by the
+    recomputation under fsdp (76 -> 92 all-gathers on gpt2); a carry split over `model`
+    by a column-parallel patch embedding (42 -> 50 all-reduces on vit)."""
+    path = tmp_path / f"{config}.yaml"
+    path.write_text(Path(f"configs/{config}.yaml").read_text()
+                    .replace("scan_layers: false", "scan_layers: true"))
+    cfg = load_config(path, batch_size=BATCH)
+    wl, opt = build_workload(cfg), make_optimizer(cfg.optimizer)
     an = rp.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, opt,
-                    mesh=SCHEMES["fsdp+tp"], sharding="tp", calibrate=False)
+                    mesh="data=4,model=2", sharding=scheme, calibrate=False)
     from remat_planner import planner as pl, scan
     from remat_planner.plan import STORE, Segment
     k, n = an.scan_chain.stage, an.chain.n
+    kinds = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
     def counts(option):
         segs = tuple(Segment(i, i + 1, option if i == k else STORE) for i in range(n))
         p = pl._plan_from_segments(an, segs, 0, 0, wl.abstract_params, wl.abstract_batch)
         c = rp.measure(p.apply(wl.loss_fn), wl.abstract_params, wl.abstract_batch, opt,
                        sharding=an.sharding).communication
-        return {kind: c[kind]["count"] for kind in ("all-gather", "all-reduce")}
+        return {kind: (c[kind]["count"], c[kind]["bytes"]) for kind in kinds}
 
-    before, after = counts(scan.store_scheme(an.scan_chain.stack)), counts("scan:4xnothing|nothing")
+    stack = an.scan_chain.stack
+    before = counts(scan.store_scheme(stack))
+    after = counts(f"scan:{stack.length}x" + "|".join(["nothing"] * stack.chain.n))
     assert after == before, (before, after)
