@@ -77,7 +77,7 @@ def _gathers(plan: Plan, program: Program, params) -> dict:
     from jax.sharding import NamedSharding
 
     from .sharding import ShardingSpec, gathered_params
-    spec = ShardingSpec.make(meta["mesh"], meta["scheme"])
+    spec = ShardingSpec.from_dict(meta)
     gathered = gathered_params(program, params, spec)
     if not gathered:
         return {}
@@ -93,7 +93,7 @@ def _scan_sharding(plan: Plan, program: Program, params):
     if not meta or meta["scheme"] == "dp":
         return None
     from .sharding import ShardingSpec, program_param_specs
-    spec = ShardingSpec.make(meta["mesh"], meta["scheme"])
+    spec = ShardingSpec.from_dict(meta)
     return spec, program_param_specs(program, params, spec)
 
 

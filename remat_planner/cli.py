@@ -192,7 +192,14 @@ def _load(args):
     cfg = load_config(args.config, batch_size=args.batch_size, seq_len=args.seq_len,
                       mesh=args.mesh, sharding=args.sharding)
     args.spec = sharding_spec(cfg)
-    return cfg, build_workload(cfg), make_optimizer(cfg.optimizer), budget
+    wl = build_workload(cfg)
+    if args.spec is not None and args.spec.model_axis:
+        # the tp layout (which kernels stay replicated) once, for the planner and the
+        # built-in policies it is compared with alike
+        from .sharding import with_unpaired
+        args.spec = with_unpaired(args.spec, wl.loss_fn, wl.abstract_params,
+                                  wl.abstract_batch, wl.has_aux)
+    return cfg, wl, make_optimizer(cfg.optimizer), budget
 
 
 def _progress(console, enabled: bool):

@@ -22,7 +22,7 @@ from .graph import CostGraph, build_cost_graph
 from .graph import jaxpr_bytes, jaxpr_flops
 from .memory import (ChainModel, FixedMemory, fixed_memory, profile_stages, scale_chain,
                      simulate, weighted_chain, with_gathered_weights)
-from .sharding import ShardingSpec, collective_outputs, gathered_params
+from .sharding import ShardingSpec, collective_outputs, gathered_params, unpaired_kernels
 from .sharding import resolve as resolve_sharding
 from .plan import NOTHING, STORE, Plan, Segment, StageInfo
 from .solve import ChainSolver
@@ -137,6 +137,8 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
         spec.mesh()  # the device count must match before anything else
     say("tracing")
     program = trace(loss_fn, params, *batch, has_aux=has_aux)
+    if spec is not None and spec.model_axis and not spec.replicated:
+        spec = dataclasses.replace(spec, replicated=unpaired_kernels(program, params, spec))
     cost = build_cost_graph(program)
     say(f"{len(program.eqns)} equations, {len(cost.stages)} stages")
     fixed = fixed_memory(params, batch, optimizer, sharding=spec)

@@ -75,6 +75,9 @@ class ShardingSpec:
 
     axes: tuple[tuple[str, int], ...]
     scheme: str
+    # parameter paths tp leaves replicated although their names make them kernels: the
+    # column-parallel kernels no row-parallel one pairs with (unpaired_kernels)
+    replicated: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.scheme not in SCHEMES:
@@ -88,6 +91,12 @@ class ShardingSpec:
         if self.scheme == "fsdp+tp" and len(names) < 2:
             raise ConfigError("sharding 'fsdp+tp' needs a data axis besides 'model' "
                               "(e.g. --mesh data=4,model=2)")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ShardingSpec":
+        """The inverse of to_dict (a plan's metadata["sharding"])."""
+        return dataclasses.replace(cls.make(d["mesh"], d["scheme"]),
+                                   replicated=tuple(d.get("replicated", ())))
 
     @classmethod
     def make(cls, mesh, scheme: str) -> "ShardingSpec":
@@ -137,7 +146,10 @@ class ShardingSpec:
                     tuple(a for a, _ in self.axes))
 
     def to_dict(self) -> dict:
-        return {"mesh": ",".join(f"{a}={s}" for a, s in self.axes), "scheme": self.scheme}
+        d = {"mesh": ",".join(f"{a}={s}" for a, s in self.axes), "scheme": self.scheme}
+        if self.replicated:
+            d["replicated"] = list(self.replicated)
+        return d
 
 
 def resolve(mesh, sharding) -> ShardingSpec | None:
@@ -188,7 +200,7 @@ def _tp_dim(path: str, shape) -> int | None:
 def param_spec(path: str, shape, spec: ShardingSpec) -> P:
     """PartitionSpec of one parameter under `spec` (see the module docstring)."""
     dims: list[Any] = [None] * len(shape)
-    if spec.model_axis is not None:
+    if spec.model_axis is not None and path not in spec.replicated:
         d = _tp_dim(path, shape)
         if d is not None:
             if shape[d] % spec.model_size:
@@ -456,6 +468,11 @@ def _reshape_dims(dims, old: tuple, new: tuple) -> set[int]:
 
 
 def _split_contractions(program, origin: dict[int, P]) -> frozenset[int]:
+    return _propagate(program, origin)[0]
+
+
+def _propagate(program, origin: dict[int, P], source: frozenset[int] = frozenset()
+               ) -> tuple[frozenset[int], bool]:
     """Values XLA's SPMD partitioner produces with a collective over the model axis.
 
     Starting from `origin` (value id -> spec, the parameters) it follows which dims of
@@ -466,7 +483,15 @@ def _split_contractions(program, origin: dict[int, P]) -> frozenset[int]:
     log-softmax max and sum over vocabulary-split logits), a `gather` indexing one (an
     embedding lookup, a `take_along_axis` on split logits), a slice or split along one
     (q, k and v cut out of a fused projection: XLA reshuffles them with collective
-    permutes)."""
+    permutes).
+
+    Also returns whether a split that comes from a value in `source` escapes the
+    tensor-parallel pairing: it meets a contraction whose other side is not split on the
+    same dimension (XLA then gathers or reduces activations), or enters a sub-program (a
+    scan's carry) as an activation."""
+    params = frozenset(program.invars[:getattr(program, "n_param_leaves", 0)])
+    derived = set(source)
+    escapes = False
     avals = getattr(program, "avals", {})
     split: dict[int, frozenset[int]] = {v: _model_dims(s) for v, s in origin.items()}
     split = {v: d for v, d in split.items() if d}
@@ -483,12 +508,21 @@ def _split_contractions(program, origin: dict[int, P]) -> frozenset[int]:
         name, ins = e.name, e.invars
         if not any(dims(v) for v in ins):
             continue
+        mine = [v for v in ins if isinstance(v, int) and v in derived]
+        if mine:
+            derived.update(e.outvars)
+            if _HIGHER_ORDER & e.params.keys() and any(dims(v) and v not in params
+                                                       for v in mine):
+                escapes = True
         out: set[int] = set()
         if name == "dot_general":
             (lc, rc), (lb, rb) = e.params["dimension_numbers"]
             ld, rd = dims(ins[0]), dims(ins[1])
             if ld & set(lc) or rd & set(rc):
                 pinned.update(e.outvars)
+                one_sided = [(a in ld) != (b in rd) for a, b in zip(lc, rc)]
+                if any(one_sided) and mine:
+                    escapes = True
                 continue
             lhs_free = [d for d in range(len(shape(ins[0]) or ())) if d not in lc and d not in lb]
             rhs_free = [d for d in range(len(shape(ins[1]) or ())) if d not in rc and d not in rb]
@@ -547,7 +581,51 @@ def _split_contractions(program, origin: dict[int, P]) -> frozenset[int]:
         if out:
             for v in e.outvars:
                 split[v] = frozenset(out)
-    return frozenset(pinned)
+    return frozenset(pinned), escapes
+
+
+def with_unpaired(spec: ShardingSpec, loss_fn, params, batch, has_aux: bool = False
+                  ) -> ShardingSpec:
+    """`spec` with `replicated` set to the unpaired kernels of `loss_fn`'s program (traced
+    on abstract shapes); unchanged without tensor parallelism."""
+    if spec is None or spec.model_axis is None:
+        return spec
+    from .trace import trace
+    from .verify import as_batch
+    program = trace(loss_fn, params, *as_batch(batch), has_aux=has_aux)
+    return dataclasses.replace(spec, replicated=unpaired_kernels(program, params, spec))
+
+
+def unpaired_kernels(program, params, spec: ShardingSpec) -> tuple[str, ...]:
+    """Paths of the kernels that tp, by their names, would make column-parallel but that
+    no row-parallel kernel pairs with: their split output meets a contraction over the
+    split dimension with an unsplit operand, or enters the layer scan as its carry. A
+    patch embedding feeding the residual stream, BERT's masked-LM `head_transform`.
+    Megatron keeps such layers replicated; split, XLA would gather and all-reduce
+    activations around them, collectives no equation of the jaxpr shows and a
+    recomputation would repeat. Analysed on the top-level program (kernels used only
+    inside a scan body are the layers' own, paired inside it)."""
+    if spec.model_axis is None:
+        return ()
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    specs = program_param_specs(program, params, spec)
+    ids = program.invars[:program.n_param_leaves]
+    row, column = {}, []
+    for vid, (path, leaf) in zip(ids, flat):
+        name, shape = _path_str(path), np.shape(leaf)
+        d = _tp_dim(name, shape)
+        if d is None or name.rsplit("/", 1)[-1] == "embedding":
+            continue
+        if d == len(shape) - 2:
+            row[vid] = specs[vid]
+        else:
+            column.append((vid, name))
+    out = []
+    for vid, name in column:
+        _, escapes = _propagate(program, {**row, vid: specs[vid]}, frozenset({vid}))
+        if escapes:
+            out.append(name)
+    return tuple(out)
 
 
 def gathered_spec(s: P, spec: ShardingSpec) -> P:

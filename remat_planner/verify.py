@@ -156,9 +156,11 @@ def train_step(loss_fn: Callable, optimizer, plan=None, has_aux: bool = False, *
     """
     from .sharding import ShardingSpec, resolve
     spec = resolve(mesh, sharding)
-    if spec is None and plan is not None and plan.metadata.get("sharding"):
-        d = plan.metadata["sharding"]
-        spec = ShardingSpec.make(d["mesh"], d["scheme"])
+    if plan is not None and plan.metadata.get("sharding"):
+        planned = ShardingSpec.from_dict(plan.metadata["sharding"])
+        if spec is None or dataclasses.replace(spec, replicated=()) == dataclasses.replace(
+                planned, replicated=()):
+            spec = planned  # the plan's layout, with the kernels it keeps replicated
     planned = plan.apply(loss_fn, has_aux) if plan is not None else loss_fn
     step = make_step(planned, optimizer, has_aux)
     kw = {}

@@ -324,41 +324,79 @@ ENTRY %main (a: f32[2]) -> f32[2] {
     assert c.counts["all-gather"] == 15 and c.bytes["all-gather"] == 15 * 32
 
 
-@pytest.mark.parametrize("config,scheme", [
-    ("llama-tiny", "tp"),       # stacked RMSNorm scales
-    ("gpt2-tiny", "fsdp+tp"),   # q, k, v sliced out of a fused projection; stacked biases
-    ("vit-tiny", "tp"),         # a column-parallel patch embedding splits the residual stream
+@pytest.mark.parametrize("config,scheme,scanned", [
+    ("llama-tiny", "tp", True),       # stacked RMSNorm scales
+    ("gpt2-tiny", "fsdp+tp", True),   # q, k, v sliced out of a fused projection; stacked biases
+    ("vit-tiny", "tp", True),         # a patch embedding that would split the residual stream
+    ("vit-tiny", "tp", False),        # the same, unrolled: 29 stages, all `nothing`
 ])
-def test_scanned_tp_nothing_plan_repeats_no_collective(config, scheme, tmp_path):
-    """tp inside a scanned body: every sub-stage checkpointed with `nothing` recomputes
-    everything it computes, and the step still executes exactly the collectives (all five
-    kinds, per execution) of the unplanned replay. What made it fail, and is fixed:
-    stacked norm scales ([layers, d]) split over `model` like kernels (XLA then split the
-    residual stream, all-reduced the RMSNorm sum and all-gathered activations: 43 -> 51
-    all-reduces and 32 -> 36 all-gathers on the llama); q, k, v sliced out of a fused
-    projection (collective permutes: 8 -> 16 on gpt2); stacked biases gathered again by the
-    recomputation under fsdp (76 -> 92 all-gathers on gpt2); a carry split over `model`
-    by a column-parallel patch embedding (42 -> 50 all-reduces on vit)."""
+def test_tp_nothing_plan_repeats_no_collective(config, scheme, scanned, tmp_path):
+    """Under tp, every stage (every sub-stage of a scanned body) checkpointed with
+    `nothing` recomputes everything it computes, and the step still executes the
+    unplanned step's collectives: the same bytes of all five kinds (per execution), none
+    in a recomputation for unrolled models, the same counts too for scans. What made it
+    fail, and is fixed: stacked norm scales ([layers, d]) split over `model` like kernels
+    (XLA then split the residual stream, all-reduced the RMSNorm sum and all-gathered
+    activations: 43 -> 51 all-reduces and 32 -> 36 all-gathers on the llama); q, k, v
+    sliced out of a fused projection (collective permutes: 8 -> 16 on gpt2); stacked
+    biases gathered again by the recomputation under fsdp (76 -> 92 all-gathers on gpt2);
+    a column-parallel patch embedding, position embedding and class token that split the
+    residual stream (vit: 42 -> 50 all-reduces scanned; unrolled 125 -> 134 all-gathers,
+    6 collectives in recomputations)."""
     path = tmp_path / f"{config}.yaml"
     path.write_text(Path(f"configs/{config}.yaml").read_text()
-                    .replace("scan_layers: false", "scan_layers: true"))
+                    .replace("scan_layers: false", f"scan_layers: {str(scanned).lower()}"))
     cfg = load_config(path, batch_size=BATCH)
     wl, opt = build_workload(cfg), make_optimizer(cfg.optimizer)
     an = rp.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, opt,
-                    mesh="data=4,model=2", sharding=scheme, calibrate=False)
+                    mesh="data=4,model=2", sharding=scheme, calibrate=False,
+                    measure_xla=scanned)
     from remat_planner import planner as pl, scan
     from remat_planner.plan import STORE, Segment
-    k, n = an.scan_chain.stage, an.chain.n
+    n = an.chain.n
     kinds = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
-    def counts(option):
-        segs = tuple(Segment(i, i + 1, option if i == k else STORE) for i in range(n))
+    def comm(options):
+        segs = tuple(Segment(i, i + 1, o) for i, o in enumerate(options))
         p = pl._plan_from_segments(an, segs, 0, 0, wl.abstract_params, wl.abstract_batch)
-        c = rp.measure(p.apply(wl.loss_fn), wl.abstract_params, wl.abstract_batch, opt,
-                       sharding=an.sharding).communication
-        return {kind: (c[kind]["count"], c[kind]["bytes"]) for kind in kinds}
+        return rp.measure(p.apply(wl.loss_fn), wl.abstract_params, wl.abstract_batch, opt,
+                          sharding=an.sharding).communication
 
-    stack = an.scan_chain.stack
-    before = counts(scan.store_scheme(stack))
-    after = counts(f"scan:{stack.length}x" + "|".join(["nothing"] * stack.chain.n))
-    assert after == before, (before, after)
+    if scanned:
+        k, stack = an.scan_chain.stage, an.scan_chain.stack
+        nothing = f"scan:{stack.length}x" + "|".join(["nothing"] * stack.chain.n)
+        before = comm([scan.store_scheme(stack) if i == k else STORE for i in range(n)])
+        after = comm([nothing if i == k else STORE for i in range(n)])
+        pick = lambda c: {kind: (c[kind]["count"], c[kind]["bytes"]) for kind in kinds}  # noqa: E731
+    else:
+        options = [("nothing" if any(o.name == "nothing" for o in st.options) else STORE)
+                   for st in an.chain.stages]
+        assert options.count("nothing") >= n - 2
+        before, after = comm([STORE] * n), comm(options)
+        assert after["in recomputation"]["count"] == 0, after
+        pick = lambda c: {kind: c[kind]["bytes"] for kind in kinds}  # noqa: E731
+    assert pick(after) == pick(before), (pick(before), pick(after))
+
+
+def test_unpaired_kernels_stay_replicated_under_tp():
+    """Kernels tp would split column-parallel by their names but that no row-parallel
+    kernel pairs with stay replicated: BERT's masked-LM `head_transform`, ViT's patch
+    embedding, position embedding and class token. The llama's layers all pair up."""
+    from remat_planner.trace import trace
+    P = jax.sharding.PartitionSpec
+    spec = sh.ShardingSpec.make("data=4,model=2", "fsdp+tp")
+    expected = {"llama-tiny": (), "gpt2-tiny": (), "bert-tiny": ("head_transform/kernel",),
+                "vit-tiny": ("cls_token", "patch_embed/kernel", "pos_embed")}
+    for config, unpaired in expected.items():
+        cfg = load_config(f"configs/{config}.yaml", batch_size=BATCH)
+        wl = build_workload(cfg)
+        program = trace(wl.loss_fn, wl.abstract_params, *wl.abstract_batch)
+        assert sh.unpaired_kernels(program, wl.abstract_params, spec) == unpaired, config
+    kept = sh.with_unpaired(spec, wl.loss_fn, wl.abstract_params, wl.abstract_batch)
+    assert kept.replicated == expected["vit-tiny"]
+    assert sh.param_spec("patch_embed/kernel", (4, 4, 3, 128), kept) == P(None, None, None, "data")
+    assert sh.param_spec("patch_embed/kernel", (4, 4, 3, 128), spec) == P(None, "data", None, "model")
+    assert sh.ShardingSpec.from_dict(kept.to_dict()) == kept
+    assert "replicated" not in spec.to_dict()
+    assert sh.with_unpaired(sh.ShardingSpec.make("data=8", "fsdp"), wl.loss_fn,
+                            wl.abstract_params, wl.abstract_batch).replicated == ()
