@@ -117,6 +117,17 @@ class Plan:
         return self.recompute_flops / self.step_flops if self.step_flops else 0.0
 
     @property
+    def sharding(self):
+        """The sharding.ShardingSpec the plan was made for (with the kernels tp keeps
+        replicated), or None: pass it to `shard_arrays` to place arrays as the step takes
+        them."""
+        d = self.metadata.get("sharding")
+        if not d:
+            return None
+        from .sharding import ShardingSpec
+        return ShardingSpec.from_dict(d)
+
+    @property
     def recompute_time_overhead(self) -> float | None:
         """Predicted recompute time as a fraction of the unplanned step's predicted time
         (the roofline model of costmodel.CostModel), or None for a plan made without it."""

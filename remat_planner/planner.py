@@ -22,7 +22,8 @@ from .graph import CostGraph, build_cost_graph
 from .graph import jaxpr_bytes, jaxpr_flops
 from .memory import (ChainModel, FixedMemory, fixed_memory, profile_stages, scale_chain,
                      simulate, weighted_chain, with_gathered_weights)
-from .sharding import ShardingSpec, collective_outputs, gathered_params, unpaired_kernels
+from .sharding import (ShardingSpec, collective_outputs, gathered_params, unpaired_kernels,
+                       with_unpaired)
 from .sharding import resolve as resolve_sharding
 from .plan import NOTHING, STORE, Plan, Segment, StageInfo
 from .solve import ChainSolver
@@ -579,8 +580,11 @@ def measure_builtin_policies(loss_fn: Callable, params, batch, optimizer=None,
                              has_aux: bool = False, mesh=None,
                              sharding=None) -> dict[str, Measurement]:
     """XLA peak and FLOPs of the step without remat and with each built-in policy per block
-    (per device, with `mesh` and `sharding`)."""
+    (per device, with `mesh` and `sharding`: under tp in the layout `plan` uses, its
+    unpaired kernels replicated)."""
     spec = resolve_sharding(mesh, sharding)
+    if spec is not None and spec.model_axis and not spec.replicated:
+        spec = with_unpaired(spec, loss_fn, params, batch, has_aux)
     say = progress or (lambda msg: None)
     out = {}
     say("measuring: no remat")

@@ -35,6 +35,7 @@ def main() -> None:
     import remat_planner as rp
     from remat_planner.budget import format_bytes_short as fb
     from remat_planner.config import build_workload, load_config, make_optimizer
+    from remat_planner.errors import InfeasibleBudgetError
 
     cfg = load_config(args.config, batch_size=args.batch_size)
     if args.scan_layers:
@@ -54,8 +55,13 @@ def main() -> None:
                         sharding=scheme)
         nr = an.noremat
         budget = int(an.fixed.total + args.fraction * (nr.peak_bytes - an.fixed.total))
-        p = rp.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, opt,
-                    analysis=an)
+        try:
+            p = rp.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, opt,
+                        analysis=an)
+        except InfeasibleBudgetError as err:
+            print(f"| {scheme} | {mesh} | {fb(an.fixed.total)} | {fb(nr.peak_bytes)} | "
+                  f"{fb(budget)} | infeasible: {err} | | | | |", flush=True)
+            continue
         seconds = time.perf_counter() - t0
         comm = p.metadata["communication"]
 

@@ -104,8 +104,9 @@ def test_plans_fit_per_device_budget_and_gradients_are_exact(workload, analysis,
     if scheme == "fsdp+tp":  # the training step API, on arrays placed by shard_arrays
         step = rp.train_step(wl.loss_fn, opt, plans[-1], params=wl.abstract_params,
                              batch=wl.abstract_batch)
+        assert plans[-1].sharding == an.sharding
         p_in, b_in, s_in = rp.shard_arrays(params, batch, opt.init(params), optimizer=opt,
-                                           sharding=an.sharding)
+                                           sharding=plans[-1].sharding)
         new_params, _, step_loss = step(p_in, s_in, b_in)
         np.testing.assert_allclose(step_loss, ref_loss, rtol=1e-5)
         kernel = new_params["layers_0"]["mlp"]["down_proj"]["kernel"]
