@@ -409,8 +409,6 @@ def communication(hlo_text: str) -> Communication:
 # Values produced by collectives (never recomputed)
 # ---------------------------------------------------------------------------------------
 
-# Shape-preserving unary ops through which a parameter keeps its sharding.
-
 def collective_outputs(program, params, spec: ShardingSpec) -> frozenset[int]:
     """Program values that XLA's SPMD partitioner produces with a collective over the
     tensor-parallel axis: outputs of `dot_general` contracting a parameter dimension split
@@ -424,7 +422,7 @@ def collective_outputs(program, params, spec: ShardingSpec) -> frozenset[int]:
     (after the backward); see docs/guide.md for what remat does to the all-gathers."""
     if spec is None or spec.model_axis is None:
         return frozenset()
-    return _split_contractions(program, program_param_specs(program, params, spec))
+    return _propagate(program, program_param_specs(program, params, spec))[0]
 
 
 def program_param_specs(program, params, spec: ShardingSpec) -> dict[int, P]:
@@ -465,10 +463,6 @@ def _reshape_dims(dims, old: tuple, new: tuple) -> set[int]:
                 out.add(e)
                 break
     return out
-
-
-def _split_contractions(program, origin: dict[int, P]) -> frozenset[int]:
-    return _propagate(program, origin)[0]
 
 
 def _propagate(program, origin: dict[int, P], source: frozenset[int] = frozenset()
@@ -666,7 +660,7 @@ def scan_body_shardings(eqn, body_program, param_specs_by_id: dict[int, P],
             g = gathered_spec(s, spec)
             if g != s:
                 regather[vid] = NamedSharding(mesh, g)
-    pinned = _split_contractions(body_program, origin) if spec.model_axis else frozenset()
+    pinned = _propagate(body_program, origin)[0] if spec.model_axis else frozenset()
     return regather, pinned
 
 

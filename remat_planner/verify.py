@@ -154,13 +154,12 @@ def train_step(loss_fn: Callable, optimizer, plan=None, has_aux: bool = False, *
     ShapeDtypeStructs) to build them, and arguments are resharded to them by jit if they
     are not placed so already (place them with `rp.shard_arrays` to avoid the copy).
     """
-    from .sharding import ShardingSpec, resolve
+    from .sharding import resolve
     spec = resolve(mesh, sharding)
-    if plan is not None and plan.metadata.get("sharding"):
-        planned = ShardingSpec.from_dict(plan.metadata["sharding"])
-        if spec is None or dataclasses.replace(spec, replicated=()) == dataclasses.replace(
-                planned, replicated=()):
-            spec = planned  # the plan's layout, with the kernels it keeps replicated
+    made_for = plan.sharding if plan is not None else None
+    if made_for is not None and (spec is None or dataclasses.replace(spec, replicated=())
+                                 == dataclasses.replace(made_for, replicated=())):
+        spec = made_for  # the plan's layout, with the kernels it keeps replicated
     planned = plan.apply(loss_fn, has_aux) if plan is not None else loss_fn
     step = make_step(planned, optimizer, has_aux)
     kw = {}
