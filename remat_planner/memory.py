@@ -417,13 +417,14 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned
         closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(vjp_wrt(f, a, wrt)[1]))(*in_avals)
         invars = closed.jaxpr.invars
         seen, total = set(), 0
+        widen = narrow_dots_kept_wide()
         for v in closed.jaxpr.outvars:
             if isinstance(v, jax.extend.core.Literal) or id(v) in seen:
                 continue
             seen.add(id(v))
             if v in invars and invars.index(v) not in act_inputs:
                 continue  # params, batch and constants are live anyway
-            total += nbytes(v.aval)
+            total += kept_bytes(closed.jaxpr, v) if widen else nbytes(v.aval)
         return total
 
     def step_cost(f):
@@ -456,6 +457,51 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned
     if measure_xla and fn_outs:
         wf, wb = _xla_workspace(base, in_avals, ct_avals, wrt)
     return tuple(options), wf, wb, (start, stop)
+
+
+def narrow_dots_kept_wide() -> bool:
+    """Whether XLA keeps a bfloat16/float16 dot's result for the backward in float32.
+
+    XLA:CPU runs such dots in float32 on converted operands and fuses the conversion of
+    the result into its consumers, so the buffer a checkpoint or a scan keeps is the
+    float32 result (measured: every stacked residual of a scanned bf16 llama is f32;
+    sizing them at bf16 put `dots` plans 2-4 MiB under XLA on the tiny llama and ~10 GiB
+    under it on llama-1b). Accelerators with native bf16 dots keep the narrow result."""
+    return jax.default_backend() == "cpu"
+
+
+# Primitives that pass a value through unchanged in storage: a residual produced by one
+# of them is the buffer of its operand (a checkpoint_name tag, the rounding JAX adds
+# after one).
+_PASS_THROUGH = frozenset({"name", "reduce_precision"})
+
+
+def kept_bytes(jaxpr, v) -> int:
+    """Bytes XLA keeps for residual `v` of `jaxpr`: its own, or float32's for the result
+    of a sub-float32 dot_general (narrow_dots_kept_wide), also through tags and nested
+    jits (jnp.einsum)."""
+    size = nbytes(v.aval)
+    if not _is_float(v.aval) or v.aval.dtype.itemsize >= 4 or not _produced_by_dot(jaxpr, v):
+        return size
+    return size // v.aval.dtype.itemsize * 4
+
+
+def _produced_by_dot(jaxpr, v) -> bool:
+    for e in reversed(jaxpr.eqns):
+        if not any(o is v for o in e.outvars):
+            continue
+        name = e.primitive.name
+        if name == "dot_general":
+            return True
+        if name in _PASS_THROUGH and not isinstance(e.invars[0], jax.extend.core.Literal):
+            return _produced_by_dot(jaxpr, e.invars[0])
+        inner = e.params.get("jaxpr")
+        if name in ("pjit", "jit", "closed_call") and inner is not None:
+            inner = getattr(inner, "jaxpr", inner)
+            out = inner.outvars[[id(o) for o in e.outvars].index(id(v))]
+            return not isinstance(out, jax.extend.core.Literal) and _produced_by_dot(inner, out)
+        return False
+    return False
 
 
 def varying_values(program: Program) -> frozenset[int]:
