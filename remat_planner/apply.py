@@ -222,13 +222,16 @@ def _activations(program: Program, lo: int, hi: int, weights: set[int]) -> list[
 
 def _gathering(body: Callable, ins, positions, gathers) -> Callable:
     """`body` whose parameter arguments at `positions` are all-gathered first (a sharding
-    constraint to the gathered layout; XLA's partitioner emits the all-gather) and named."""
+    constraint to the gathered layout; XLA's partitioner emits the all-gather) and named.
+    A callable in `gathers` is applied instead (a layer's slice of a mixed scan
+    iteration's parameters, scan.Body.step)."""
     from jax.ad_checkpoint import checkpoint_name
 
     def fn(*args):
         args = list(args)
         for i in positions:
-            g = jax.lax.with_sharding_constraint(args[i], gathers[ins[i]])
+            how = gathers[ins[i]]
+            g = how(args[i]) if callable(how) else jax.lax.with_sharding_constraint(args[i], how)
             args[i] = checkpoint_name(g, gather_name(ins[i]))
         return body(*args)
     return fn
