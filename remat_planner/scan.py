@@ -656,8 +656,8 @@ def part_cost(stack: LayerStack, part: ScanPart) -> SchemeCost:
     each layer's parameter slice inside its checkpoints (Body.step(take=j)), so the
     parameters are forwarded to the backward as xs, not copied (measured on GPT-2 small:
     a `a;b` iteration peaks at the mean of the `a` and `b` scans, 9.102 GiB against 8.961
-    and 9.243; slicing outside the checkpoints cost +340 MB, a copy of the parameters). Nested: only each group's input
-    carry is kept; in the backward a group is recomputed (its sub-groups' carries, then
+    and 9.243; slicing outside the checkpoints cost +340 MB, a copy of the parameters).
+    Nested: only each group's input carry is kept; in the backward a group is recomputed (its sub-groups' carries, then
     its iterations' keeps, are held while it runs) and its slice of the parameters and
     of their gradients is copied for the inner loop. Each level of nesting recomputes
     the forward once more. An iteration of g layers (mixed plans) counts as one of a
