@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -242,6 +243,29 @@ def test_benchmark_script_smoke(tmp_path):
         assert len(v["times"]) == 2 and all(t > 0 for t in v["times"])
         assert v["xla_peak_bytes"] > 0
     assert data["fitted_balance"] >= 0
+
+
+def test_benchmark_reports_the_preloaded_allocator():
+    """The benchmark names the caching allocator mapped into its process (the system
+    malloc when none is), which it re-runs itself under (scripts/benchmark.py)."""
+    import ctypes.util
+    import subprocess
+
+    bench = _load_benchmark()
+    assert bench.loaded_allocator() is None  # pytest runs on the system malloc
+    code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location("
+            f"'b', {str(ROOT / 'scripts' / 'benchmark.py')!r}); m = importlib.util."
+            "module_from_spec(s); sys.modules['b'] = m; s.loader.exec_module(m); "
+            "print(m.loaded_allocator())")
+    libs = {name: ctypes.util.find_library(lib) for name, lib in bench.ALLOCATORS.items()}
+    if not any(libs.values()):
+        pytest.skip("no tcmalloc or jemalloc installed (apt-get install libtcmalloc-minimal4)")
+    for name, lib in libs.items():
+        if lib:
+            env = {**os.environ, "LD_PRELOAD": lib}
+            out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                 text=True, check=True).stdout.split()
+            assert out[-1] == name
 
 
 def test_cli_cost_model_flag_and_config(tmp_path, capsys):
