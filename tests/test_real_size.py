@@ -1,9 +1,8 @@
 """Issue 3's comparison at real size: GPT-2 small (124M parameters, batch 8 x 1024, scanned
 layers, AdamW), planned on abstract shapes; nothing is allocated. With each JAX policy's
 XLA peak as the budget, the planner's XLA peak fits it and its XLA-measured recompute is
-no more than the policy's. (The planner's 10% margin at dots_with_no_batch_dims_saveable
-is met on gpt2-tiny, tests/test_pipeline.py; on GPT-2 small it is not, see
-docs/benchmarks.md.)"""
+no more than the policy's, and at dots_with_no_batch_dims_saveable's at least 10% less
+(measured 2026-12-04: 3.87% against 4.58%; docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -31,5 +30,7 @@ def test_gpt2_small_planner_fits_each_builtin_peak_and_recomputes_no_more():
         table.append((name, policy.peak_bytes, p.measured_peak_bytes, theirs / nr, ours / nr))
         assert p.measured_peak_bytes <= policy.peak_bytes, table
         assert ours <= theirs, table
+        if name == "dots_with_no_batch_dims_saveable":
+            assert ours <= 0.9 * theirs, table
     print("\n" + "\n".join(f"{n}: budget {b}, planner peak {m}, policy {t:.3%}, planner {o:.3%}"
                            for n, b, m, t, o in table))
