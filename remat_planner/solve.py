@@ -62,6 +62,14 @@ class ChainSolver:
         for length in range(1, n + 1):
             for a in range(0, n - length + 1):
                 self._fill(a, a + length)
+        # Rounding every size up to units makes the DP miss the plan that keeps everything
+        # at a budget of exactly its peak (a budget set to the step's own peak without
+        # remat): that plan is checked in exact bytes.
+        self.store_all: Solution | None = None
+        if all(any(o.name == STORE for o in s.options) for s in chain.stages):
+            segments = tuple(Segment(i, i + 1, STORE) for i in range(n))
+            peak, cost = simulate(chain, segments)
+            self.store_all = Solution(segments, cost, peak)
 
     def _region_keep(self, a: int, c: int) -> int:
         """Units a checkpointed region over [a, c) keeps (its inputs)."""
@@ -138,6 +146,8 @@ class ChainSolver:
 
     def solve(self, activation_budget: int) -> Solution | None:
         """Cheapest plan whose modelled activation peak fits; None if none does."""
+        if self.store_all is not None and self.store_all.activation_peak_bytes <= activation_budget:
+            return self.store_all
         m = min(self.units, max(-1, activation_budget // self.quantum))
         if m < 0 or not np.isfinite(self.P[(0, self.n)][m]):
             return None

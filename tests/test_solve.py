@@ -356,13 +356,10 @@ def test_plan_space_holds_revolve_schedules():
             assert best is not None and int(best) - n == binomial_extra_steps(n, c), (n, c)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "ChainSolver rounds every size up to its quantum (max_bytes/resolution) and caps the "
-    "budget at max_bytes // quantum units, so at exactly the no-remat peak the store-all "
-    "plan does not fit in units and the DP returns a plan that recomputes. planner.plan "
-    "builds its solver with max_bytes = the no-remat activation peak, so every sample model "
-    "recomputes at a budget equal to its no-remat peak (e.g. gpt2-tiny: 231168 FLOPs)."))
 def test_no_recompute_at_the_no_remat_peak_with_default_resolution():
+    """Sizes rounded up to the quantum used to put the store-all plan over a budget of
+    exactly its peak, so the DP recomputed there (gpt2-tiny: 231168 FLOPs at its no-remat
+    peak); the solver checks that plan in exact bytes."""
     n = 10
     stages = tuple(StageProfile(f"s{i}", 10.0, (KeepOption(STORE, (), 100_003, 0.0),
                                                  KeepOption(NOTHING, (), 7_001, 10.0)),
@@ -372,3 +369,5 @@ def test_no_recompute_at_the_no_remat_peak_with_default_resolution():
     solver = ChainSolver(chain, top)  # the planner's default resolution
     assert solver.quantum > 1
     assert solver.solve(top).recompute_flops == 0.0
+    assert solver.solve(top).segments == tuple(store_all(chain))
+    assert solver.solve(top - 1).recompute_flops > 0.0  # one byte less does not fit it

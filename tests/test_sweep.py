@@ -68,6 +68,9 @@ def check_sweep(model):
     costs = [p.recompute_flops for _, p in plans]
     assert costs == sorted(costs, reverse=True), table  # (budget, XLA peak, recompute)
     assert costs[0] > 0.0  # the bottom of the range really rematerializes
+    # The top budget is the step's own peak without remat: nothing is recomputed there.
+    assert budgets[-1] == high and plans[-1][0] == high
+    assert costs[-1] == 0.0 and all(s.option == "store" for s in plans[-1][1].segments), table
     # The figure a plan records is XLA's, for the plan as saved: re-measure the tightest
     # plan after a JSON round trip.
     budget, tight = plans[0]
