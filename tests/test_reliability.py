@@ -38,15 +38,11 @@ class Model:
     analysis: rp.Analysis
 
 
-# Known failures of the planner these tests found (see the reason): strict, so a fix shows.
-KNOWN_NON_MONOTONE = {
-    "vit-tiny": (
-        "planner.plan's closed loop is not monotone in the budget: at 15063463 B it returns "
-        "a plan of 2.77e6 recompute FLOPs (XLA peak 15012248 B) but at 15485371 B one of "
-        "1.77e7 (XLA 14096304 B), though the first plan fits the larger budget; the DP's own "
-        "model-only plans are monotone, the XLA-correction rounds (max_rounds=4) end in "
-        "different places"),
-}
+# Known failures of the planner these tests found: sample models whose sweep breaks
+# guarantee 1, each an xfail with its reason, strict so that a fix shows. Empty since the
+# planner reuses a cheaper plan XLA already fitted on the same analysis (vit-tiny was:
+# 2.77e6 recompute FLOPs at 15063463 B, 1.77e7 at 15485371 B).
+KNOWN_NON_MONOTONE: dict[str, str] = {}
 
 
 def _params(marks: dict[str, str] | None = None):
