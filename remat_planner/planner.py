@@ -530,10 +530,11 @@ def _cheaper_verified(an: Analysis, best: Plan, budget_bytes: int, optimizer, pa
     a larger budget can end on a dearer plan than a smaller budget did (vit-tiny: 2.77e6
     recompute FLOPs at 15.06 MB, 1.77e7 at 15.49 MB; scanned gpt2-small: 0.16% at 22.4
     GiB, 0.12% at 19.5 GiB). A plan verified earlier on the same analysis (a frontier
-    sweep, --max-batch, a budget sweep of your own) that fits this budget and is cheaper
+    sweep, a budget sweep of your own) that fits this budget and is cheaper
     is taken instead, with no compile: cheaper as the probes judge it, by XLA's FLOPs
     (by more than REUSE_TOLERANCE of the step's, below which XLA's fusion decides), or
-    with the time objective by the model's time. Fresh analyses are unaffected.
+    with the time objective by the model's time. On a fresh analysis the
+    candidates are this call's own rounds, which the closed loop ranks by the model.
 
     A plan that recomputes nothing is kept as it is: XLA counts some remat plans below the
     step without remat (resnet-tiny: -56,880 FLOPs, -0.44%, as it fuses the replayed
