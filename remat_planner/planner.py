@@ -421,11 +421,8 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
         p = _make_plan(an, solution, budget_bytes, params, batch, correction, costs=costs)
         say(f"verifying with XLA (round {round_ + 1})")
         m = _measure_plan(an, p, loss_fn, params, batch, optimizer)
-        if m.communication is not None:
-            p = dataclasses.replace(p, metadata={**p.metadata, "communication": m.communication})
         lowest_peak = m.peak_bytes if lowest_peak is None else min(lowest_peak, m.peak_bytes)
-        p = dataclasses.replace(p, measured_peak_bytes=m.peak_bytes, measured_flops=m.flops,
-                                metadata={**p.metadata, "verify_rounds": round_ + 1})
+        p = _with_measurement(p, m, verify_rounds=round_ + 1)
         correction = m.peak_bytes - (p.predicted_peak_bytes - correction)
         if m.peak_bytes <= budget_bytes:
             if best is None or solution.recompute_flops < best_cost:  # in the objective's units
@@ -511,10 +508,7 @@ def _probe_cheaper(an: Analysis, solver: ChainSolver, best: Plan, budget_bytes: 
         if m.peak_bytes > budget_bytes:
             continue  # the model's error differs per plan: a later point may still fit
         if (objective(p.segments) < best_cost) if timed else (m.flops < best.measured_flops):
-            meta = p.metadata if m.communication is None else {
-                **p.metadata, "communication": m.communication}
-            best = dataclasses.replace(p, measured_peak_bytes=m.peak_bytes, measured_flops=m.flops,
-                                       metadata=meta)
+            best = _with_measurement(p, m)
             best_cost = objective(p.segments) if timed else best.recompute_flops
     return best, probes
 
@@ -543,12 +537,10 @@ def _cheaper_verified(an: Analysis, best: Plan, budget_bytes: int, optimizer, pa
     if best.recompute_flops == 0.0:
         return best
     timed = costs.model.kind == "time"
-    step = (an.noremat.flops if an.noremat is not None and an.noremat.flops else an.step_flops)
-
     if timed:
         best_cost, margin = simulate(costs.objective_chain, best.segments)[1], 0.0
     elif best.measured_flops is not None:
-        best_cost, margin = best.measured_flops, REUSE_TOLERANCE * step
+        best_cost, margin = best.measured_flops, REUSE_TOLERANCE * best.step_flops
     else:
         return best
     found = None
@@ -568,11 +560,15 @@ def _cheaper_verified(an: Analysis, best: Plan, budget_bytes: int, optimizer, pa
         "taking it")
     p = _make_plan(an, Solution(segments, objective, peak), budget_bytes, params, batch,
                    m.peak_bytes - an.predicted_peak(peak), costs=costs)
-    meta = {**p.metadata, "verified_at_another_budget": True}
+    return _with_measurement(p, m, verified_at_another_budget=True)
+
+
+def _with_measurement(p: Plan, m: Measurement, **metadata) -> Plan:
+    """Plan `p` with XLA's figures `m` for it (and its collectives, when sharded)."""
     if m.communication is not None:
-        meta["communication"] = m.communication
+        metadata["communication"] = m.communication
     return dataclasses.replace(p, measured_peak_bytes=m.peak_bytes, measured_flops=m.flops,
-                               metadata=meta)
+                               metadata={**p.metadata, **metadata})
 
 
 def _measure_plan(an: Analysis, p: Plan, loss_fn, params, batch, optimizer) -> Measurement:
