@@ -9,6 +9,7 @@ equation, so gradients are exactly those of the original loss.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Callable, Sequence
 
 import jax
@@ -16,7 +17,7 @@ import numpy as np
 
 from . import scan
 from .errors import PlanMismatchError
-from .graph import definitions, last_uses
+from .graph import definitions, find_blocks, last_uses
 from .memory import make_segment_fn, stage_io, value_name
 from .plan import Plan, Segment
 from .trace import Program, eval_range, trace
@@ -241,18 +242,42 @@ def _gathering(body: Callable, ins, positions, gathers) -> Callable:
 # Built-in JAX policies per block, for comparison
 # ---------------------------------------------------------------------------------------
 
-_REPEATED = re.compile(r".+_\d+$")
+_NUMBERED = re.compile(r"(^|_)\d+$")
+
+
+def _stem(scope: str) -> str:
+    """A module path with the number of its last module taken off (`a/h/3` -> `a/h/`)."""
+    head, _, last = scope.rpartition("/")
+    return f"{head}/{_NUMBERED.sub('', last)}"
 
 
 def block_ranges(program: Program) -> list[tuple[int, int]]:
-    """Equation ranges of repeated blocks: runs sharing a depth-2 module path that ends in
-    `_<number>` (h_0, Block_3, layers_11), as `nn.remat` per block would wrap them."""
+    """Equation ranges of the blocks a user would wrap in `nn.remat` one by one.
+
+    With module paths, the runs of equations under the same module named by a number
+    (`h/0`, `Block_3`, `layers_11`, at any depth), at the outermost level of numbered
+    modules where two or more share a name but for the number (`LM/Decoder_0/Block_3`:
+    the Block_i, not the lone Decoder_0 or Embed_0). Without
+    (plain JAX), or with fewer than two such modules, the copies of repeated blocks
+    found from the program's structure (graph.find_blocks).
+    """
+    numbered = []
+    for e in program.eqns:
+        parts = [p for p in e.module_path.split("/") if p]
+        numbered.append(["/".join(parts[:d + 1]) for d, part in enumerate(parts)
+                         if d > 0 and _NUMBERED.search(part)])
+    depth = max((len(s) for s in numbered), default=0)
+    for level in range(depth):
+        scopes = [s[level] if len(s) > level else None for s in numbered]
+        stems = Counter(_stem(s) for s in set(scopes) - {None})
+        repeated = {s for s in set(scopes) - {None} if stems[_stem(s)] >= 2}
+        if repeated:
+            scopes = [s if s in repeated else None for s in scopes]
+            break
+    else:
+        return [r for g in find_blocks(program) for r in g.ranges]
     ranges, current, start = [], None, 0
-    for i, e in enumerate(program.eqns + (None,)):
-        scope = None
-        if e is not None:
-            parts = [p for p in e.module_path.split("/") if p]
-            scope = "/".join(parts[:2]) if len(parts) >= 2 and _REPEATED.match(parts[1]) else None
+    for i, scope in enumerate(scopes + [None]):
         if scope != current:
             if current is not None:
                 ranges.append((start, i))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
+import re
 
 import networkx as nx
 import numpy as np
@@ -173,17 +173,18 @@ def definitions(program: Program) -> dict[int, int]:
     return d
 
 
-def crossing_bytes(program: Program, graph: nx.DiGraph) -> np.ndarray:
+def crossing_bytes(program: Program, graph: nx.DiGraph, only=None) -> np.ndarray:
     """crossing[k]: bytes of activations (not params, batch or constants) defined before
     equation k and used at or after it, for k = 0..len(eqns). Aux outputs (returned by
-    the step, e.g. new batch statistics) are counted with fixed memory, not here."""
+    the step, e.g. new batch statistics) are counted with fixed memory, not here.
+    With `only` (a set of value ids), only those values count."""
     n = len(program.eqns)
     diff = np.zeros(n + 2, dtype=np.int64)
     last = last_uses(program)
     aux = program.aux_outputs
     for i, e in enumerate(program.eqns):
         for v in e.outvars:
-            if v in last and last[v] > i and v not in aux:
+            if v in last and last[v] > i and v not in aux and (only is None or v in only):
                 diff[i + 1] += graph.nodes[("val", v)]["bytes"]
                 diff[last[v] + 1] -= graph.nodes[("val", v)]["bytes"]
     return np.cumsum(diff)[: n + 1]
@@ -225,40 +226,187 @@ def _scope(path: str, depth: int) -> str:
     return "/".join(parts[:depth])
 
 
-def find_stages(program: Program, graph: nx.DiGraph, *, max_stages: int = 48) -> tuple[Stage, ...]:
-    """Cut the equation order where a single activation (or little) crosses.
+def varying_values(program: Program) -> frozenset[int]:
+    """Values that depend on a parameter: the ones the step's backward pass reaches.
+    Batch arguments (data, frozen parameters), constants and whatever is computed from
+    them alone (masks, position ids, rotary tables, RNG keys, the blocks before the first
+    trainable parameter) get no gradient."""
+    varying = set(program.invars[:program.n_param_leaves])
+    for e in program.eqns:
+        if any(not isinstance(v, Literal) and v in varying for v in e.invars):
+            varying.update(e.outvars)
+    return frozenset(varying)
 
-    Candidate cuts are module-scope changes (down to three levels of Flax module path) or,
-    for a program without module paths, every equation boundary. A candidate is kept when
-    what crosses it is no bigger than 1.25 x its largest single value: one residual stream,
-    not a stream plus a side branch. In a network that is not a chain (U-Net skips, any
-    long-range value) tensors also pass over cuts untouched: a candidate is kept too when
-    the same holds once the values that pass its neighbourhood untouched are set aside
-    (`_passing_bytes`); they still count in the boundary bytes of every cut they cross.
-    Too many cuts are thinned to the `max_stages` with the least crossing, spread evenly.
+
+# ---------------------------------------------------------------------------------------
+# Repeated blocks, by structure
+# ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class BlockGroup:
+    """Consecutive copies of one block: equations [starts[j], starts[j] + length) for each
+    copy j, every copy the same equations (primitive, parameters, shapes) in the same
+    order. Found from the program's structure alone, whatever the module names."""
+
+    starts: tuple[int, ...]
+    length: int
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        return tuple((s, s + self.length) for s in self.starts)
+
+    @property
+    def stop(self) -> int:
+        return self.starts[-1] + self.length
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+# A block must hold this share of the program's FLOPs: repeats of a few cheap equations
+# (an elementwise run, a loss's reductions) are not blocks.
+MIN_BLOCK_FLOPS_SHARE = 0.01
+
+
+def _eqn_tokens(program: Program) -> np.ndarray:
+    """One integer per equation, equal for equations that do the same thing on values of
+    the same shapes (value ids and function addresses in parameters left out)."""
+    ids: dict[str, int] = {}
+    out = np.empty(len(program.eqns), dtype=np.int64)
+    for i, e in enumerate(program.eqns):
+        # A literal by its type only: a block's RNG stream is folded with a constant of
+        # its own (Flax's dropout), which makes no other block.
+        ins = ",".join(program.avals[v].str_short() if isinstance(v, int)
+                       else f"L{np.asarray(v.val).dtype}{np.shape(v.val)}" for v in e.invars)
+        outs = ",".join(program.avals[v].str_short() for v in e.outvars)
+        params = _ADDRESS.sub("", repr(sorted((k, repr(p)) for k, p in e.params.items())))
+        out[i] = ids.setdefault(f"{e.name}|{params}|{ins}|{outs}", len(ids))
+    return out
+
+
+def find_blocks(program: Program, flops=None, crossing=None) -> tuple[BlockGroup, ...]:
+    """Groups of repeated blocks: the longest tandem repeats of the equation sequence.
+
+    The sequence of equation tokens (_eqn_tokens) is searched for the period whose run of
+    consecutive copies covers the most equations; a copy starts where the least crosses
+    (`crossing`, by default every activation) among the phases that keep the most whole
+    copies. What is left before and after the group is searched the same way (an encoder
+    then a decoder, a CNN's stages of different widths).
     """
     n = len(program.eqns)
-    crossing = crossing_bytes(program, graph)
-    largest = _largest_crossing_value(program, graph, n)
-    has_paths = any(e.module_path for e in program.eqns)
-    boundaries = []
-    for k in range(1, n):
-        if has_paths:
-            a, b = program.eqns[k - 1].module_path, program.eqns[k].module_path
-            if all(_scope(a, d) == _scope(b, d) for d in (1, 2, 3)):
-                continue
-        boundaries.append(k)
-    passing, largest_local = _passing_bytes(program, graph, boundaries)
-    candidates = []
+    if flops is None:
+        flops = [eqn_flops(e.name, e.params, [_aval(program, v) for v in e.invars],
+                           [program.avals[v] for v in e.outvars]) for e in program.eqns]
+    flops_prefix = np.concatenate([[0.0], np.cumsum(flops)])
+    floor = MIN_BLOCK_FLOPS_SHARE * flops_prefix[-1]
+    if crossing is None:
+        crossing = np.zeros(n + 1)
+    tok = _eqn_tokens(program)
+    groups: list[BlockGroup] = []
+    pending = [(0, n)]
+    while pending:
+        lo, hi = pending.pop()
+        g = _best_repeat(tok, lo, hi, flops_prefix, floor, crossing, program)
+        if g is None:
+            continue
+        groups.append(g)
+        pending += [(lo, g.starts[0]), (g.stop, hi)]
+    return tuple(sorted(groups, key=lambda g: g.starts[0]))
+
+
+def _shared_depth(program: Program, k: int) -> int:
+    """Module path levels equations k-1 and k share (0 at the ends of the program)."""
+    if not 0 < k < len(program.eqns):
+        return 0
+    a = program.eqns[k - 1].module_path.split("/")
+    b = program.eqns[k].module_path.split("/")
+    i = 0
+    while i < min(len(a), len(b)) and a[i] == b[i] and a[i]:
+        i += 1
+    return i
+
+
+def _aval(program: Program, v):
+    return program.avals[v] if isinstance(v, int) else _literal_aval(v)
+
+
+def _best_repeat(tok, lo, hi, flops_prefix, floor, crossing, program) -> BlockGroup | None:
+    seq = tok[lo:hi]
+    m = len(seq)
+    best = None  # (covered, -period, run start, run stop, period)
+    for p in range(1, m // 2 + 1):
+        same = np.concatenate([[False], seq[:-p] == seq[p:], [False]])
+        edges = np.flatnonzero(np.diff(same.astype(np.int8)))
+        if not len(edges):
+            continue
+        starts, stops = edges[0::2], edges[1::2]
+        runs = stops - starts
+        i = int(np.argmax(runs))
+        if runs[i] < p:
+            continue
+        covered = (runs[i] // p + 1) * p
+        key = (covered, -p)
+        if best is None or key > best[0]:
+            best = (key, lo + int(starts[i]), lo + int(stops[i]) + p, p)
+    if best is None:
+        return None
+    _, s, e, p = best
+    options = []
+    for r in range(p):
+        starts = tuple(range(s + r, e - p + 1, p))
+        if len(starts) < 2:
+            continue
+        cuts = [*starts, starts[-1] + p]
+        # Between phases the dataflow cannot tell apart (a post-LN block starts before or
+        # after its norm), take the one whose copies start where module paths part
+        # earliest: the copies are then the user's modules, for naming only.
+        shared = sum(_shared_depth(program, k) for k in cuts)
+        options.append((-len(starts), float(sum(crossing[k] for k in cuts)), shared, r, starts))
+    if not options:
+        return None
+    *_, starts = min(options)
+    if flops_prefix[starts[0] + p] - flops_prefix[starts[0]] < floor:
+        return None
+    return BlockGroup(starts, p)
+
+
+def find_stages(program: Program, graph: nx.DiGraph, *, max_stages: int = 48) -> tuple[Stage, ...]:
+    """Cut the equation order where little crosses, from the dataflow alone.
+
+    What decides a cut is the activations that depend on a parameter (the backward
+    differentiates them): values computed from the batch alone (masks, position ids, RNG
+    keys) cross every block and never prevent a cut, though they count in the boundary
+    bytes of every cut they cross. Module names play no part.
+
+    Repeated blocks (find_blocks) are cut at every copy's boundary, and inside every copy
+    at the same offsets where no more crosses than into the block (between attention and
+    MLP of a transformer block); values passing a block untouched (a U-Net's skips) are
+    set aside there. Elsewhere, at any equation boundary, a cut is kept when what crosses
+    is no bigger than 1.25 x its largest single value (one stream, not a stream plus a
+    side branch), or when that holds once the values passing its neighbourhood untouched
+    are set aside (`_passing_bytes`). Too many cuts are thinned to `max_stages`: cuts
+    inside blocks go first, then blocks are grouped, then the other cuts are spread.
+    """
+    n = len(program.eqns)
+    varying = varying_values(program) - program.aux_outputs
+    crossing = crossing_bytes(program, graph, varying)
+    largest = _largest_crossing_value(program, graph, n, varying)
+    flops = [graph.nodes[("eqn", i)]["flops"] for i in range(n)]
+    groups = find_blocks(program, flops, crossing)
+    block_cuts = _block_cuts(program, graph, groups, varying, flops)
+    inside = np.zeros(n + 1, dtype=bool)
+    for g in groups:
+        inside[g.starts[0] + 1:g.stop] = True
+    boundaries = [k for k in range(1, n) if not inside[k]]
+    passing, largest_local = _passing_bytes(program, graph, boundaries, varying)
+    others = []
     for k in boundaries:
         if crossing[k] == 0 or crossing[k] <= 1.25 * largest[k]:
-            candidates.append(k)
+            others.append(k)
         elif k in passing and crossing[k] - passing[k] <= 1.25 * largest_local[k]:
-            candidates.append(k)
-    candidates = _thin(candidates, crossing, n, max_stages - 1)
-    flops = [graph.nodes[("eqn", i)]["flops"] for i in range(n)]
-    candidates = _merge_trivial(candidates, flops, n)
-    bounds = [0, *candidates, n]
+            others.append(k)
+    protected = sorted({c for g in groups for c in (*g.starts, g.stop)} - {0, n})
+    cuts = _limit_cuts(groups, block_cuts, protected, others, crossing, n, max_stages - 1)
+    cuts = _merge_trivial(cuts, flops, n, frozenset(protected))
+    bounds = [0, *cuts, n]
     stages = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         stages.append(Stage(lo, hi, _stage_name(program, lo, hi), float(sum(flops[lo:hi])),
@@ -266,14 +414,102 @@ def find_stages(program: Program, graph: nx.DiGraph, *, max_stages: int = 48) ->
     return tuple(stages)
 
 
+def _block_cuts(program: Program, graph: nx.DiGraph, groups, varying,
+                flops) -> list[list[int]]:
+    """Per group: the offsets inside a block where, in every copy, the differentiated
+    values that the copy touches and that cross the offset are no more than 1.25 x those
+    crossing into the copy (the residual stream between attention and MLP)."""
+    defs = definitions(program)
+    last = last_uses(program)
+    uses: dict[int, list[int]] = {}
+    for i, e in enumerate(program.eqns):
+        for v in e.invars:
+            if isinstance(v, int):
+                uses.setdefault(v, []).append(i)
+    out = []
+    for g in groups:
+        ok = worst = None
+        for lo, hi in g.ranges:
+            local = np.zeros(hi - lo + 1, dtype=np.int64)  # offsets 0..length
+            diff = np.zeros(hi - lo + 2, dtype=np.int64)
+            for v, where in uses.items():
+                if v not in varying or v in program.free:
+                    continue  # parameters are live anyway
+                d, l = defs[v], last.get(v, -1)
+                if l < lo or d >= hi:
+                    continue
+                # used in the copy, or defined in it and used after it: touched by the copy
+                if d < lo and not any(lo <= w < hi for w in where):
+                    continue  # passes the copy untouched (a skip around it)
+                b = graph.nodes[("val", v)]["bytes"]
+                first = max(d + 1, lo) - lo
+                stop = min(l, hi) - lo
+                if stop >= first:
+                    diff[first] += b
+                    diff[stop + 1] -= b
+            local = np.cumsum(diff)[: hi - lo + 1]
+            good = local[1:-1] <= 1.25 * max(local[0], 1)
+            ok = good if ok is None else ok & good
+            worst = local if worst is None else np.maximum(worst, local)
+        out.append(_spread_offsets(ok, worst, flops[g.starts[0]:g.starts[0] + g.length]))
+    return out
+
+
+# A cut inside a block must leave this share of the block's FLOPs on each side: a cut
+# between a layer norm's statistics and its scaling is no place to trade anything.
+MIN_SUB_STAGE_SHARE = 0.1
+
+
+def _spread_offsets(ok: np.ndarray, crossing: np.ndarray, flops) -> list[int]:
+    """One offset per run of acceptable offsets (the least crossing, the latest on a tie),
+    keeping only those that leave MIN_SUB_STAGE_SHARE of the block's FLOPs on each side."""
+    prefix = np.concatenate([[0.0], np.cumsum(flops)])
+    total = prefix[-1]
+    picks, run = [], []
+    for o in [*(int(i) + 1 for i in np.flatnonzero(ok)), None]:
+        if run and (o is None or o != run[-1] + 1):
+            picks.append(min(run, key=lambda k: (crossing[k], -k)))
+            run = []
+        if o is not None:
+            run.append(o)
+    kept, prev = [], 0
+    for o in picks:
+        if prefix[o] - prefix[prev] >= MIN_SUB_STAGE_SHARE * total and \
+                total - prefix[o] >= MIN_SUB_STAGE_SHARE * total:
+            kept.append(o)
+            prev = o
+    return kept
+
+
+def _limit_cuts(groups, block_cuts, protected, others, crossing, n, keep) -> list[int]:
+    """At most `keep` cuts: block boundaries first, then the cuts inside blocks, then
+    the rest spread over the equation order (_thin). When the block boundaries alone are
+    too many, consecutive blocks are grouped."""
+    inner = sorted({s + o for g, offs in zip(groups, block_cuts) for s in g.starts for o in offs})
+    chosen = list(protected)
+    if len(chosen) > keep:
+        stride = -(-len(chosen) // keep)
+        firsts = {g.starts[0] for g in groups} | {g.stop for g in groups}
+        chosen = sorted({c for i, c in enumerate(chosen) if i % stride == 0 or c in firsts})
+        return [c for c in chosen if 0 < c < n][:keep]
+    if len(chosen) + len(inner) <= keep:
+        chosen += inner
+    room = keep - len(chosen)
+    if room > 0 and others:
+        chosen += _thin(others, crossing, n, room)
+    return sorted(set(chosen) - {0, n})
+
+
 def stage_bytes(graph: nx.DiGraph, lo: int, hi: int) -> float:
     """Memory traffic (eqn_bytes) of equations [lo, hi)."""
     return float(sum(graph.nodes[("eqn", i)]["bytes_accessed"] for i in range(lo, hi)))
 
 
-def _merge_trivial(cuts: list[int], flops: list[float], n: int) -> list[int]:
+def _merge_trivial(cuts: list[int], flops: list[float], n: int,
+                   protected: frozenset[int] = frozenset()) -> list[int]:
     """Drop cuts that leave a stage with almost no compute (index arithmetic, embedding
-    lookups): such a stage gives the solver nothing to trade and only costs time."""
+    lookups): such a stage gives the solver nothing to trade and only costs time. The
+    `protected` cuts (block boundaries) stay, so every copy of a block is one range."""
     bounds = [0, *cuts, n]
     work = [sum(flops[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
     floor = 0.005 * max(work, default=0.0)
@@ -281,29 +517,31 @@ def _merge_trivial(cuts: list[int], flops: list[float], n: int) -> list[int]:
     acc = 0.0
     for cut, w in zip(cuts, work[:-1]):
         acc += w
-        if acc > floor:
+        if acc > floor or cut in protected:
             kept.append(cut)
             acc = 0.0
-    if kept and sum(work[len(work) - 1:]) <= floor:
+    if kept and sum(work[len(work) - 1:]) <= floor and kept[-1] not in protected:
         kept.pop()  # fold a trivial tail stage into the one before it
     return kept
 
 
-def _largest_crossing_value(program: Program, graph: nx.DiGraph, n: int) -> np.ndarray:
-    """largest[k]: bytes of the biggest single activation crossing boundary k."""
+def _largest_crossing_value(program: Program, graph: nx.DiGraph, n: int,
+                            only=None) -> np.ndarray:
+    """largest[k]: bytes of the biggest single activation (of `only`, if given) crossing
+    boundary k."""
     largest = np.zeros(n + 1, dtype=np.int64)
     last = last_uses(program)
     aux = program.aux_outputs
     for i, e in enumerate(program.eqns):
         for v in e.outvars:
-            if v in last and last[v] > i and v not in aux:
+            if v in last and last[v] > i and v not in aux and (only is None or v in only):
                 b = graph.nodes[("val", v)]["bytes"]
                 seg = largest[i + 1: last[v] + 1]
                 np.maximum(seg, b, out=seg)
     return largest
 
 
-def _passing_bytes(program: Program, graph: nx.DiGraph, cuts: list[int]):
+def _passing_bytes(program: Program, graph: nx.DiGraph, cuts: list[int], only=None):
     """Per candidate cut k: bytes of the values that pass its neighbourhood untouched
     (defined before the previous candidate, not used until after the next: skip tensors),
     and the largest single value crossing k that does not.
@@ -323,7 +561,7 @@ def _passing_bytes(program: Program, graph: nx.DiGraph, cuts: list[int]):
     crossing_vals: dict[int, list[tuple[int, bool]]] = {}
     for v, where in uses.items():
         d = defs[v]
-        if v in skip or where[-1] <= d:
+        if v in skip or where[-1] <= d or (only is not None and v not in only):
             continue
         b = graph.nodes[("val", v)]["bytes"]
         # candidate cuts k with d < k <= last use
@@ -362,27 +600,26 @@ def _thin(candidates: list[int], crossing: np.ndarray, n: int, keep: int) -> lis
 
 
 def _stage_name(program: Program, lo: int, hi: int) -> str:
-    scopes = Counter()
-    order = []
-    for e in program.eqns[lo:hi]:
-        s = _scope(e.module_path, 3)
-        if s and s not in scopes:
-            order.append(s)
-        scopes[s] += 1
-    if not order:
+    """The module path the stage's equations share, with the distinct modules one level
+    below it in order: `Model/transformer/h/0[ln_1,attn]`. A stage without module paths
+    (plain JAX) is named by its equation range."""
+    paths = [p for p in dict.fromkeys(e.module_path.strip("/") for e in program.eqns[lo:hi]) if p]
+    if not paths:
         return f"eqns[{lo}:{hi}]"
-    prefix = order[0].split("/")
-    for s in order[1:]:
+    prefix = paths[0].split("/")
+    for s in paths[1:]:
         parts = s.split("/")
         i = 0
         while i < min(len(prefix), len(parts)) and prefix[i] == parts[i]:
             i += 1
         prefix = prefix[:i]
     head = "/".join(prefix)
-    tails = [s[len(head):].strip("/") for s in order if s[len(head):].strip("/")]
+    depth = len(prefix)
+    tails = [s.split("/")[depth] for s in paths if len(s.split("/")) > depth]
     if not tails:
         return head
-    return f"{head}[{','.join(dict.fromkeys(tails))}]" if head else ",".join(dict.fromkeys(tails))
+    tails = ",".join(dict.fromkeys(tails))
+    return f"{head}[{tails}]" if head else tails
 
 
 def build_cost_graph(program: Program, *, max_stages: int = 48) -> CostGraph:

@@ -129,12 +129,14 @@ def test_unet_stage_finder_cuts_between_skip_connections():
 
 
 def test_gpt2_stages_unchanged_by_skip_rule():
-    """Chains keep the one-stream cuts: GPT-2 small has 25 stages, two per block."""
+    """Chains keep the one-stream cuts: GPT-2 small has 26 stages, two per block, the
+    embedding lookups and the head with the loss."""
     cfg = load_config("configs/gpt2-small.yaml")  # unrolled: the config scans its blocks
     wl = build_workload(cfg.model_copy(update={"model": {**cfg.model, "scan_layers": False}}))
     stages = build_cost_graph(trace(wl.loss_fn, wl.abstract_params, *wl.abstract_batch)).stages
-    assert len(stages) == 25
-    assert [s.name for s in stages[1:3]] == ["GPT2/h_0[ln_2,mlp]", "GPT2/h_1[ln_1,attn]"]
+    assert len(stages) == 26
+    assert [s.name for s in stages[:4]] == ["GPT2[wte,wpe]", "GPT2/h_0[ln_1,attn]",
+                                            "GPT2/h_0[ln_2,mlp]", "GPT2/h_1[ln_1,attn]"]
 
 
 def test_has_aux_trace_and_errors():

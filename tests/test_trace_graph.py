@@ -286,11 +286,13 @@ def test_stages_cut_at_blocks_and_between_attention_and_mlp(tiny):
         assert f"GPT2/h_{i}[ln_1,attn]" in names, names
         # The cut between block i-1 and block i.
         assert _first(program, f"GPT2/h_{i}/ln_1") in starts, i
-    # Block 0's attention stage also holds the FLOP-free embedding lookups (trivial stages
-    # are merged into their neighbour), but still ends at block 0's attention/MLP cut.
+    # Block 0 is a copy of the repeated block like the others (graph.find_blocks): its
+    # attention stage starts at the block and ends at its attention/MLP cut; the
+    # FLOP-free embedding lookups before it keep a stage of their own.
     (block0,) = [s for s in cost.stages if s.start <= _first(program, "GPT2/h_0/attn") < s.stop]
+    assert block0.start == _first(program, "GPT2/h_0/ln_1")
     assert block0.stop == _first(program, "GPT2/h_0/ln_2")
-    assert "h_0/attn" in block0.name
+    assert block0.name == "GPT2/h_0[ln_1,attn]"
     # The cut after the last block.
     assert _first(program, "GPT2/ln_f") in starts
 
