@@ -19,7 +19,8 @@ import jax
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from .graph import CostGraph, definitions, jaxpr_bytes, jaxpr_flops, last_uses
+from .graph import (CostGraph, definitions, jaxpr_bytes, jaxpr_flops, last_uses,
+                    varying_values)
 from .plan import DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Segment
 from .policies import dot_is_narrow
 from .trace import Literal, Program, eval_eqn, eval_range, nbytes
@@ -190,6 +191,37 @@ class ChainModel:
         """Bytes a checkpointed region over stages [a, b) keeps: the activations crossing
         into it that it uses; a skip passing over it is kept by its consumer instead."""
         return self.inputs[a][b] if self.inputs else self.boundary[a]
+
+    def first_child_shared_bytes(self, a: int, b: int, c: int,
+                                 option: KeepOption | None) -> int:
+        """Bytes of what the first child of a checkpointed region over [a, b) keeps that
+        are arrays the region keeps already: its own inputs, which JAX holds once.
+
+        The child covers [a, c): a leaf (c = a + 1) run with keep `option`, or a nested
+        region (`option` None). The region's recomputation starts with its input,
+        region_input_bytes(a, b), live; counted once more as the child's keep, the same
+        arrays would count twice. Only what is provably the same is counted as shared:
+
+        - a nested region keeps region_input_bytes(a, c): the values crossing cut a that
+          [a, c) uses, a subset of those [a, b) uses (and, under fsdp, of the gathered
+          weights it keeps: with_gathered_weights), so all of it;
+        - a `nothing` leaf without pinned values keeps only stage a's own inputs
+          (activations and, under fsdp, its gathered weights: the residuals of a
+          checkpoint that saves nothing), which are region_input_bytes(a, a + 1), a
+          subset of the region's input, so all of it;
+        - any other leaf, none: a `store` or `dots` leaf's residuals may include inputs
+          too (x of x @ w), but how many of its kept bytes they are is not measured, and
+          a `nothing` leaf with pinned values (collective outputs) keeps those besides.
+
+        The min with the region's own input only guards tables where a subset would not
+        be smaller (the planner's tables grow with b: a region further right uses more).
+        """
+        held = self.region_input_bytes(a, b)
+        if option is None:
+            return min(self.region_input_bytes(a, c), held)
+        if option.name == NOTHING and not option.saved:
+            return min(option.keep_bytes, self.region_input_bytes(a, a + 1), held)
+        return 0
 
 
 def stage_io(program: Program, start: int, stop: int, last=None, defs=None):
@@ -504,17 +536,6 @@ def _produced_by_dot(jaxpr, v) -> bool:
     return False
 
 
-def varying_values(program: Program) -> frozenset[int]:
-    """Values that depend on a parameter: the ones the step's backward pass reaches.
-    Batch arguments (data, frozen parameters), constants and whatever is computed from
-    them alone (the blocks before the first trainable parameter) get no gradient."""
-    varying = set(program.invars[:program.n_param_leaves])
-    for e in program.eqns:
-        if any(not isinstance(v, Literal) and v in varying for v in e.invars):
-            varying.update(e.outvars)
-    return frozenset(varying)
-
-
 def differentiated(ins, varying: frozenset[int]) -> tuple[int, ...]:
     """Positions in a stage's inputs `ins` that its backward differentiates."""
     return tuple(i for i, v in enumerate(ins) if v in varying)
@@ -613,18 +634,32 @@ def leaf_bwd_peak(chain: ChainModel, i: int, option: KeepOption | None = None) -
 
 def region_fwd_peak(chain: ChainModel, a: int, b: int) -> int:
     """Forward of a checkpointed region over stages [a, b): its input is kept, each stage
-    runs without keeping residuals. Values passing over stages (skips) are counted once
-    per step, not once per cut they cross."""
-    return chain.boundary[a] + max(
-        chain.boundary[j] + chain.boundary[j + 1] - chain.overlap_bytes(j, j + 1)
-        - (chain.overlap_bytes(a, j) if j > a else 0) + chain.stages[j].fwd_temp_bytes
+    runs without keeping residuals. While stage j runs, the values crossing cut a (the
+    kept input, and skips passing over), cut j and cut j + 1 are live, each counted once
+    however many of these cuts it crosses: a value crossing cuts a and j + 1 crosses cut
+    j too, so the union is |a| + |j| + |j + 1| - |a & j| - |j & j + 1|. At j = a the
+    stage's input is the region's input, the same arrays (|a & a| = |a|)."""
+    return max(
+        chain.boundary[a] + chain.boundary[j] + chain.boundary[j + 1]
+        - chain.overlap_bytes(j, j + 1)
+        - (chain.overlap_bytes(a, j) if j > a else chain.boundary[a])
+        + chain.stages[j].fwd_temp_bytes
         for j in range(a, b))
 
 
-def segment_keep(chain: ChainModel, seg: Segment) -> int:
+def segment_keep(chain: ChainModel, seg: Segment, region: tuple[int, int] | None = None) -> int:
+    """Bytes `seg` adds to what is live from its forward to its backward. `region`: the
+    checkpointed region (a, b) whose recomputation `seg` starts (its first child), whose
+    input is live already: what of it `seg` keeps is not added again
+    (ChainModel.first_child_shared_bytes)."""
     if seg.children:
-        return chain.region_input_bytes(seg.start, seg.stop)
-    return chain.stages[seg.start].option(seg.option).keep_bytes
+        keep, option = chain.region_input_bytes(seg.start, seg.stop), None
+    else:
+        option = chain.stages[seg.start].option(seg.option)
+        keep = option.keep_bytes
+    if region is not None:
+        keep -= chain.first_child_shared_bytes(region[0], region[1], seg.stop, option)
+    return keep
 
 
 def weighted_chain(chain: ChainModel, bytes_weight: float) -> ChainModel:
@@ -661,7 +696,8 @@ def simulate(chain: ChainModel, segments: Sequence[Segment]) -> tuple[int, float
 
     Walks the schedule explicitly: forward through the segments keeping what each keeps,
     then backward in reverse; a checkpointed region's backward recomputes its forward
-    with its children's plan, keeping its input meanwhile.
+    with its children's plan, keeping its input meanwhile (which its first child, keeping
+    the same arrays, does not add again: ChainModel.first_child_shared_bytes).
     """
     return _run(chain, segments, 0, inside_region=False)
 
@@ -673,9 +709,15 @@ def timeline(chain: ChainModel, segments: Sequence[Segment]) -> list[TimelinePoi
     return events
 
 
-def _run(chain, segments, live: int, inside_region: bool, events=None) -> tuple[int, float]:
+def _run(chain, segments, live: int, inside_region: bool, events=None,
+         region: tuple[int, int] | None = None) -> tuple[int, float]:
+    """Peak and recompute FLOPs of the segment list `segments` run with `live` bytes
+    already live. `inside_region`: the list is a region's recomputation (its forward
+    costs FLOPs). `region`: (a, b) when the list is the body of the checkpointed region
+    over [a, b), whose input `live` holds: what its first child keeps of those arrays is
+    not added again (segment_keep), also while a nested first region's body runs."""
     peak, cost = live, 0.0
-    kept_before = []
+    kept_before, keeps = [], []
     fwd_phase = "recompute" if inside_region else "forward"
     for idx, seg in enumerate(segments):
         kept_before.append(live)
@@ -687,14 +729,16 @@ def _run(chain, segments, live: int, inside_region: bool, events=None) -> tuple[
         peak = max(peak, step)
         if events is not None:
             events.append(TimelinePoint(fwd_phase, seg.start, seg.stop, step, live))
-        live += segment_keep(chain, seg)
+        keeps.append(segment_keep(chain, seg, region if idx == 0 else None))
+        live += keeps[-1]
         if inside_region:
             cost += _recompute_forward_cost(chain, seg, last=idx == len(segments) - 1)
-    for seg, before in zip(reversed(segments), reversed(kept_before)):
+    for seg, before, keep in zip(reversed(segments), reversed(kept_before), reversed(keeps)):
         if seg.children:
-            sub_peak, sub_cost = _run(chain, seg.children,
-                                      before + chain.region_input_bytes(seg.start, seg.stop),
-                                      inside_region=True, events=events)
+            # The region's input is live again for its recomputation: what it kept (less,
+            # as a first child, what its parent holds already).
+            sub_peak, sub_cost = _run(chain, seg.children, before + keep, inside_region=True,
+                                      events=events, region=(seg.start, seg.stop))
             peak = max(peak, sub_peak)
             cost += sub_cost
         else:

@@ -55,10 +55,21 @@ class ChainSolver:
                                max(u(leaf_fwd_peak(chain, i, o)), u(leaf_bwd_peak(chain, i, o))),
                                o.recompute_flops) for o in s.options])
         self.flops_prefix = np.concatenate([[0.0], np.cumsum([s.flops for s in chain.stages])])
+        # Tables over [a, b): per budget m (units), the least recompute FLOPs, INF where
+        # nothing fits. What differs is what is live when the list starts, and what its
+        # forward costs:
+        #   P: a top-level list (its forward is the step's own: free).
+        #   Q: the rest of a region's body after its first child (each child's forward
+        #      is recomputed); it may be one region over [a, b).
+        #   B: the body of the region over [a, b) (b - a >= 2): like Q, but not that
+        #      region itself, and the first child does not keep the region's input,
+        #      live already, a second time (memory.segment_keep with its region).
+        #   R: the region over [a, b) as a segment that is not a first child.
         self.P: dict[tuple[int, int], np.ndarray] = {}
         self.Q: dict[tuple[int, int], np.ndarray] = {}
-        self.Qx: dict[tuple[int, int], np.ndarray] = {}  # Q without the single-region list
-        self.R: dict[tuple[int, int], np.ndarray] = {}   # a region over [a, b) as a segment
+        self.B: dict[tuple[int, int], np.ndarray] = {}
+        self.R: dict[tuple[int, int], np.ndarray] = {}
+        self.fwd_need: dict[tuple[int, int], int] = {}  # units of region_fwd_peak
         for length in range(1, n + 1):
             for a in range(0, n - length + 1):
                 self._fill(a, a + length)
@@ -79,6 +90,9 @@ class ChainSolver:
         return -(-int(nbytes) // self.quantum)
 
     def _shift(self, arr: np.ndarray, k: int) -> np.ndarray:
+        """arr needing k units more (arr itself when k is 0: callers must not modify it)."""
+        if k == 0:
+            return arr
         out = np.full(self.units + 1, INF)
         if k <= self.units:
             out[k:] = arr[: self.units + 1 - k]
@@ -90,38 +104,75 @@ class ChainSolver:
             out[need:] = 0.0
         return out
 
-    def _first_segments(self, a: int, b: int):
-        """Candidate first segments of a list over [a, b): (segment spec, stop, keep,
-        need-mask + cost array, is_region). Order fixes tie-breaking."""
+    def _region(self, a: int, c: int, keep: int) -> np.ndarray:
+        """The region over [a, c) as a segment: its forward's peak, then its body run on
+        top of the `keep` units its input adds to what is live (less than its input as a
+        first child, memory._run)."""
+        if (a, c) not in self.fwd_need:
+            self.fwd_need[(a, c)] = self._units(region_fwd_peak(self.chain, a, c))
+        out = self._shift(self.B[(a, c)], keep).copy()
+        out[:self.fwd_need[(a, c)]] = INF  # the budgets its forward does not fit
+        return out
+
+    def _first_segments(self, a: int, b: int, mode: str):
+        """Candidate first segments of a list over [a, b) in table `mode` ("top": P,
+        "rest": Q, "body": B): (segment spec, stop, keep, base), keep being the units the
+        segment adds to what is live for the segments after it, base its need mask + cost
+        array (a region's including its body's). Order fixes tie-breaking."""
+        chain, body = self.chain, mode == "body"
         for opt, keep, need, cost in self.leaf[a]:
+            if body:  # the region's first child: what it keeps of the region's input is live
+                keep = self._units(opt.keep_bytes
+                                   - chain.first_child_shared_bytes(a, b, a + 1, opt))
             yield ("leaf", opt), a + 1, keep, self._need(need) + cost
         for c in range(a + 2, b + 1):
-            if (a, c) in self.R:  # absent only for [a, b) itself while it is being filled
+            if body:
+                if c == b:
+                    continue  # a region is never its own only child
+                # A nested first region: its input is (part of) its parent's, live already.
+                keep = self._units(chain.region_input_bytes(a, c)
+                                   - chain.first_child_shared_bytes(a, b, c, None))
+                yield ("region", None), c, keep, self._region(a, c, keep)
+            elif (a, c) in self.R:  # absent only for [a, b) itself while it is being filled
                 yield ("region", None), c, self._region_keep(a, c), self.R[(a, c)]
 
+    def _value(self, mode: str, kind: str, opt, a: int, b: int, c: int, keep: int,
+               base: np.ndarray, m: int | None = None):
+        """The list's cost with this first segment: an array over budgets, or its value at
+        budget m (the same sum up to rounding: recovery compares with a tolerance)."""
+        at = (lambda arr: arr) if m is None else (lambda arr: arr[m])
+        if c == b:  # the segment is the whole list
+            if mode == "top" or kind == "region":  # a last region child costs no forward
+                return at(base)
+            # The last child of a recomputation runs only the forward its kept values need.
+            return at(base) + last_child_forward_flops(self.chain.stages[a], opt.name)
+        rest = (self.P if mode == "top" else self.Q)[(c, b)]  # run on top of `keep`
+        fwd = 0.0 if mode == "top" else self.flops_prefix[c] - self.flops_prefix[a]
+        if m is not None:
+            return INF if m < keep else base[m] + fwd + rest[m - keep]
+        out = np.empty(self.units + 1)
+        out[:keep] = INF  # the rest does not fit under what this segment keeps
+        if keep <= self.units:  # out[m] = base[m] + fwd + rest[m - keep], in place
+            np.add(base[keep:], rest[: self.units + 1 - keep], out=out[keep:])
+            if fwd:
+                out[keep:] += fwd
+        return out
+
     def _fill(self, a: int, b: int) -> None:
-        fsum = lambda lo, hi: self.flops_prefix[hi] - self.flops_prefix[lo]
-        q_excl = np.full(self.units + 1, INF)
-        p = np.full(self.units + 1, INF)
-        for (kind, opt), c, keep, base in self._first_segments(a, b):
-            if c == b:
-                last_cost = (last_child_forward_flops(self.chain.stages[a], opt.name)
-                             if opt is not None else 0.0)
-                q_excl = np.minimum(q_excl, base + last_cost)
-                p = np.minimum(p, base)
-            else:
-                q_excl = np.minimum(q_excl, base + fsum(a, c) + self._shift(self.Q[(c, b)], keep))
-                p = np.minimum(p, base + self._shift(self.P[(c, b)], keep))
-        self.Qx[(a, b)] = q_excl
+        p, q = np.full(self.units + 1, INF), np.full(self.units + 1, INF)
+        # P and Q start with the same segments, differing in what follows and its cost.
+        for (kind, opt), c, keep, base in self._first_segments(a, b, "top"):
+            np.minimum(p, self._value("top", kind, opt, a, b, c, keep, base), out=p)
+            np.minimum(q, self._value("rest", kind, opt, a, b, c, keep, base), out=q)
         if b - a >= 2:
-            region = self._shift(q_excl, self._region_keep(a, b)) + self._need(self._units(
-                region_fwd_peak(self.chain, a, b)))
+            body = np.full(self.units + 1, INF)
+            for (kind, opt), c, keep, base in self._first_segments(a, b, "body"):
+                np.minimum(body, self._value("body", kind, opt, a, b, c, keep, base), out=body)
+            self.B[(a, b)] = body
+            region = self._region(a, b, self._region_keep(a, b))
             self.R[(a, b)] = region
-            self.Q[(a, b)] = np.minimum(q_excl, region)  # a last region child costs 0 forward
-            p = np.minimum(p, region)
-        else:
-            self.Q[(a, b)] = q_excl
-        self.P[(a, b)] = p
+            p, q = np.minimum(p, region), np.minimum(q, region)
+        self.P[(a, b)], self.Q[(a, b)] = p, q
 
     # -- queries -----------------------------------------------------------------------
 
@@ -151,37 +202,23 @@ class ChainSolver:
         m = min(self.units, max(-1, activation_budget // self.quantum))
         if m < 0 or not np.isfinite(self.P[(0, self.n)][m]):
             return None
-        segments = tuple(self._recover(0, self.n, m, top=True, exclude_region=False))
+        segments = tuple(self._recover(0, self.n, m, "top"))
         peak, cost = simulate(self.chain, segments)
         return Solution(segments, cost, peak)
 
-    def _recover(self, a: int, b: int, m: int, top: bool, exclude_region: bool) -> list[Segment]:
-        target = (self.P if top else (self.Qx if exclude_region else self.Q))[(a, b)][m]
-        fsum = lambda lo, hi: self.flops_prefix[hi] - self.flops_prefix[lo]
-        for (kind, opt), c, keep, base in self._first_segments(a, b):
-            if kind == "region" and c == b and exclude_region:
-                continue
-            if c == b:
-                extra = 0.0
-                if not top and opt is not None:
-                    extra = last_child_forward_flops(self.chain.stages[a], opt.name)
-                val = base[m] + extra
-            else:
-                if m - keep < 0:
-                    continue
-                rest = (self.P if top else self.Q)[(c, b)][m - keep]
-                val = base[m] + rest + (0.0 if top else fsum(a, c))
+    def _recover(self, a: int, b: int, m: int, mode: str) -> list[Segment]:
+        target = {"top": self.P, "rest": self.Q, "body": self.B}[mode][(a, b)][m]
+        for (kind, opt), c, keep, base in self._first_segments(a, b, mode):
+            val = self._value(mode, kind, opt, a, b, c, keep, base, m)
             if np.isfinite(val) and math.isclose(val, target, rel_tol=1e-9, abs_tol=1e-6):
-                seg = self._make_segment(kind, opt, a, c, m)
-                rest_list = [] if c == b else self._recover(c, b, m - keep, top, False)
-                return [seg, *rest_list]
+                if kind == "leaf":
+                    seg = Segment(a, a + 1, opt.name, opt.saved if opt.name != STORE else ())
+                else:  # its body runs on top of the `keep` units it added
+                    seg = Segment(a, c, NOTHING, (), tuple(self._recover(a, c, m - keep, "body")))
+                rest = [] if c == b else self._recover(c, b, m - keep,
+                                                         "top" if mode == "top" else "rest")
+                return [seg, *rest]
         raise AssertionError(f"DP recovery failed at [{a}, {b}) m={m}")  # tables inconsistent
-
-    def _make_segment(self, kind, opt, a: int, c: int, m: int) -> Segment:
-        if kind == "leaf":
-            return Segment(a, a + 1, opt.name, opt.saved if opt.name != STORE else ())
-        children = self._recover(a, c, m - self._region_keep(a, c), top=False, exclude_region=True)
-        return Segment(a, c, NOTHING, (), tuple(children))
 
 
 # ---------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from remat_planner.graph import build_cost_graph
 from remat_planner.memory import (ChainModel, KeepOption, StageProfile, _recompute_forward_cost,
                                   leaf_bwd_peak, leaf_fwd_peak, profile_stages, region_fwd_peak,
-                                  segment_keep, simulate)
+                                  segment_keep, simulate, timeline)
 from remat_planner.plan import DOTS, NOTHING, STORE, Plan, Segment, StageInfo, validate_segments
 from remat_planner.solve import ChainSolver, brute_force, enumerate_plans
 from remat_planner.trace import trace
@@ -40,26 +40,92 @@ def chains(draw, max_stages: int = 4) -> ChainModel:
     return ChainModel(tuple(stages), tuple(boundary))
 
 
+@st.composite
+def skip_chains(draw, max_stages: int = 4) -> ChainModel:
+    """Chains whose activations may pass over stages: each stage's output is used by the
+    next stage and maybe later ones, and boundary, overlap and inputs are tabled from
+    these values as profile_stages does. `nothing` keeps the stage's inputs, or those
+    and a pinned value (named in `saved`). Shaped so that regions whose first child
+    shares the region's input are often the optimum: a nonzero step input (x_0, as in
+    uniform_chain), little workspace, some stages too dear to store."""
+    n = draw(st.integers(2, max_stages))
+    # (defining stage, using stages, bytes); -1: the step's input, an activation like
+    # Revolve's x_0 (uniform_chain) when it has bytes, free as in the planner when not.
+    values = [(d, sorted({d + 1} | draw(st.sets(st.integers(d + 1, n - 1), max_size=2))),
+               draw(st.integers(0 if d < 0 else 1, 3))) for d in range(-1, n - 1)]
+    crosses = lambda v, k: v[0] < k <= v[1][-1]  # cut k starts stage k
+    boundary = tuple(sum(v[2] for v in values if crosses(v, k)) for k in range(n + 1))
+    overlap = tuple(tuple(sum(v[2] for v in values if crosses(v, a) and crosses(v, b))
+                          for b in range(n + 1)) for a in range(n + 1))
+    first_use = lambda v, a: min(u for u in v[1] if u >= a)
+    inputs = tuple(tuple(sum(v[2] for v in values if crosses(v, a) and first_use(v, a) < b)
+                         if a < b else 0 for b in range(n + 1)) for a in range(n + 1))
+    stages = []
+    for i in range(n):
+        flops = draw(st.integers(1, 30))
+        own_inputs = inputs[i][i + 1]
+        pinned = draw(st.sampled_from([0, 0, 0, 2]))
+        tape = draw(st.sampled_from([0, 3, 8, 100]))  # 100: never stored, like Revolve's
+        options = [KeepOption(STORE, (), own_inputs + tape, 0.0),
+                   KeepOption(NOTHING, (200 + i,) if pinned else (), own_inputs + pinned,
+                              float(flops))]
+        if draw(st.booleans()):
+            options.append(KeepOption(DOTS, (100 + i,), draw(st.integers(0, 8)),
+                                      float(draw(st.integers(0, flops)))))
+        temps = st.sampled_from([0, 0, 1])  # mostly none: the keeps decide the peaks
+        stages.append(StageProfile(f"s{i}", float(flops), tuple(options), draw(temps),
+                                   draw(temps)))
+    return ChainModel(tuple(stages), boundary, overlap, inputs)
+
+
 def store_all(chain: ChainModel):
     return [Segment(i, i + 1, STORE) for i in range(chain.n)]
+
+
+def brute_frontier(chain: ChainModel) -> list[tuple[int, float]]:
+    """(peak, recompute) of every plan of a small chain, by explicit simulation."""
+    return [simulate(chain, p) for p in enumerate_plans(chain)]
+
+
+def best_within(frontier, budget: int) -> float | None:
+    costs = [cost for peak, cost in frontier if peak <= budget]
+    return min(costs) if costs else None
+
+
+def _check_dp_against_brute_force(chain: ChainModel) -> None:
+    frontier = brute_frontier(chain)
+    top = max(simulate(chain, store_all(chain))[0], max(peak for peak, _ in frontier))
+    solver = ChainSolver(chain, top + 3, resolution=top + 3)  # quantum 1: exact in bytes
+    assert solver.quantum == 1
+    # The optimum only changes at a plan's peak: each peak and the byte below it (and
+    # every budget, on small chains) check every budget.
+    budgets = ({p for p, _ in frontier} | {p - 1 for p, _ in frontier} | {0, top + 2}
+               | (set(range(top + 3)) if top < 64 else set()))
+    for budget in sorted(budgets):
+        dp, bf = solver.solve(budget), best_within(frontier, budget)
+        assert (dp is None) == (bf is None), budget
+        if dp is None:
+            continue
+        assert math.isclose(dp.recompute_flops, bf, abs_tol=1e-9), budget
+        peak, cost = simulate(chain, dp.segments)
+        assert peak <= budget
+        assert math.isclose(cost, dp.recompute_flops, abs_tol=1e-9)
+        validate_segments(dp.segments, chain.n)
 
 
 @settings(max_examples=60, deadline=None)
 @given(chains())
 def test_dp_equals_brute_force_at_every_budget(chain):
-    top = simulate(chain, store_all(chain))[0]
-    solver = ChainSolver(chain, top + 3, resolution=top + 3)  # quantum 1: exact in bytes
-    assert solver.quantum == 1
-    for budget in range(0, top + 3):
-        dp, bf = solver.solve(budget), brute_force(chain, budget)
-        assert (dp is None) == (bf is None), budget
-        if dp is None:
-            continue
-        assert math.isclose(dp.recompute_flops, bf.recompute_flops, abs_tol=1e-9), budget
-        peak, cost = simulate(chain, dp.segments)
-        assert peak <= budget
-        assert math.isclose(cost, dp.recompute_flops, abs_tol=1e-9)
-        validate_segments(dp.segments, chain.n)
+    _check_dp_against_brute_force(chain)
+
+
+@settings(max_examples=60, deadline=None)
+@given(skip_chains(max_stages=5))
+def test_dp_equals_brute_force_with_skips_and_pins(chain):
+    """Region inputs smaller than the cut (skips pass over), overlapping cuts, and
+    `nothing` leaves that keep more than their inputs (pinned values): the first child's
+    shared bytes (ChainModel.first_child_shared_bytes) depend on all of them."""
+    _check_dp_against_brute_force(chain)
 
 
 @settings(max_examples=30, deadline=None)
@@ -125,6 +191,70 @@ def test_no_plan_below_min(budget):
     assert ChainSolver(chain, 100).solve(budget) is None
 
 
+def _three_stage_chain(store_keeps=(7, 11, 2), temps=(1, 2, 20)) -> ChainModel:
+    """s0 -> s1 -> s2, boundaries 5 and 3; `nothing` keeps a stage's input."""
+    stages = tuple(StageProfile(f"s{i}", f, (KeepOption(STORE, (), k, 0.0),
+                                              KeepOption(NOTHING, (), b, f)), t, t)
+                   for i, (f, k, b, t) in enumerate(zip((10.0, 20.0, 30.0), store_keeps,
+                                                        (0, 5, 3), temps)))
+    return ChainModel(stages, (0, 5, 3, 0))
+
+
+def test_region_input_is_held_once_by_its_first_nothing_child():
+    """Hand-computed: s0 stored, then a region over [s1, s2] whose recomputation runs s1
+    with `nothing` (keeping s1's input, the region's input: one 5-byte array) and s2
+    stored. Its peak is s2's backward in the recomputation: s0's 7 kept bytes, the
+    region's input 5 once (not 5 more for s1's keep), and s2's backward, 2 x 3 + 0 + 20
+    (leaf_bwd_peak). Recompute: s1's forward (20) and s2's as the last child (30, all
+    its backward needs), and s1's `nothing` recompute (20)."""
+    chain = _three_stage_chain()
+    region = Segment(1, 3, NOTHING, (), (Segment(1, 2, NOTHING), Segment(2, 3, STORE)))
+    plan = [Segment(0, 1, STORE), region]
+    assert simulate(chain, plan) == (7 + 5 + 2 * 3 + 0 + 20, 70.0)
+    # The timeline shows the region's input once under every step of its recomputation.
+    points = [p for p in timeline(chain, plan) if p.phase != "forward"]
+    assert [(p.phase, p.start, p.kept_bytes, p.live_bytes) for p in points] == [
+        ("recompute", 1, 12, 12 + (5 + 3 + 5 + 2)),  # s1's own keep is its transient only
+        ("recompute", 2, 12, 12 + (3 + 0 + 2 + 20)),
+        ("backward", 2, 12, 12 + 2 * 3 + 0 + 20),  # the peak: s2's keep is in its temp
+        ("backward", 1, 12, 12 + 2 * 5 + 3 + 2),
+        ("backward", 0, 0, 0 + 2 * 0 + 5 + 1)]
+    # Its forward at the top level: its input once, also at s1 whose input it is
+    # (region_fwd_peak: max(5 + 3 + 2 at s1, 5 + 3 + 0 + 20 at s2)).
+    assert region_fwd_peak(chain, 1, 3) == 28
+    # The DP prices that plan the same: at exactly its peak it finds it (or one as cheap).
+    top = simulate(chain, store_all(chain))[0]
+    solver = ChainSolver(chain, top, resolution=top)
+    for budget in range(top + 1):
+        dp, bf = solver.solve(budget), brute_force(chain, budget)
+        assert (dp is None) == (bf is None)
+        assert dp is None or math.isclose(dp.recompute_flops, bf.recompute_flops)
+    assert solver.solve(38).recompute_flops <= 70.0
+
+
+def test_first_child_shared_bytes_counts_only_the_same_arrays():
+    """What a region's first child keeps that the region holds already: all of a nested
+    region's input, all of a `nothing` leaf's (its inputs), none of a stored leaf's (not
+    measured) or of a `nothing` leaf's with pinned values. With a skip over the region
+    its input is less than the cut; min() guards a child keeping more than that."""
+    chain = _three_stage_chain()
+    s1 = chain.stages[1]
+    assert chain.first_child_shared_bytes(1, 3, 2, s1.option(NOTHING)) == 5
+    assert chain.first_child_shared_bytes(1, 3, 2, s1.option(STORE)) == 0
+    pinned = KeepOption(NOTHING, (42,), 9, 20.0)
+    assert chain.first_child_shared_bytes(1, 3, 2, pinned) == 0
+    # Cut 1 carries 5 + 4 bytes, the 4 used by s2 only: s1's inputs are 5 bytes.
+    stages = chain.stages
+    skip = ChainModel(stages, (0, 9, 7, 0),
+                      ((0,) * 4, (0, 4, 4, 0), (0, 4, 4, 0), (0,) * 4),
+                      ((0,) * 4, (0, 0, 5, 9), (0, 0, 0, 7), (0,) * 4))
+    big = KeepOption(NOTHING, (), 8, 20.0)  # more than s1's inputs: not all of it shared
+    assert skip.first_child_shared_bytes(1, 3, 2, big) == 5
+    assert skip.first_child_shared_bytes(1, 2, 2, big) == 5
+    assert segment_keep(skip, Segment(1, 2, NOTHING), region=(1, 3)) == 0
+    assert segment_keep(skip, Segment(1, 2, NOTHING)) == 5
+
+
 # ------------------------------------------------------------------------------------------
 # Small DAGs: traced JAX functions with random skip connections, linearised into a chain
 # ------------------------------------------------------------------------------------------
@@ -155,16 +285,6 @@ def dags(draw):
     max_stages = draw(st.integers(3, 6))  # brute force stays small: at most 6 stages
     seed = draw(st.integers(0, 2**16))
     return skips, acts, rows, width, max_stages, seed
-
-
-def brute_frontier(chain: ChainModel) -> list[tuple[int, float]]:
-    """(peak, recompute) of every plan of a small chain, by explicit simulation."""
-    return [simulate(chain, p) for p in enumerate_plans(chain)]
-
-
-def best_within(frontier, budget: int) -> float | None:
-    costs = [cost for peak, cost in frontier if peak <= budget]
-    return min(costs) if costs else None
 
 
 def _plan_for(program, cost, segments) -> Plan:
@@ -264,13 +384,16 @@ def uniform_chain(n: int, state: int = 1) -> ChainModel:
 def revolve_budget(slots: int, state: int = 1) -> int:
     """The activation budget that allows `slots` checkpoints in memory.simulate.
 
-    On `uniform_chain` every step simulate walks has the same transient, 3 states: a
-    leaf's forward holds its input, its output and the kept input (leaf_fwd_peak); a
+    On `uniform_chain` every step simulate walks peaks at the same transient, 3 states:
+    a leaf's forward holds its input, its output and the kept input (leaf_fwd_peak); a
     leaf's backward twice its input and its output (leaf_bwd_peak); a region's forward
-    its input and one stage's input and output (region_fwd_peak). All else live is the
-    kept inputs of segments whose backward has not run: checkpoint slots. So c slots
-    need (c + 3) states. Check: n leaves each keeping its input (no recompute beyond
-    the taped steps) peak at (n - 1 + 3) states, and Revolve needs c = n - 1.
+    its input and one stage's input and output (region_fwd_peak: 2 states at its first
+    stage, whose input is the region's, 3 at the next; a region spans two stages at
+    least). All else live is the kept inputs of segments whose backward has not run,
+    each state once - a region's first child keeps the region's input, the same array,
+    and adds nothing to it (memory.segment_keep) -: checkpoint slots. So c slots need
+    (c + 3) states. Check: n leaves each keeping its input (no recompute beyond the
+    taped steps) peak at (n - 1 + 3) states, and Revolve needs c = n - 1.
     """
     return (slots + 3) * state
 
@@ -306,20 +429,19 @@ def _revolve_mismatches(max_n: int) -> list[tuple[int, int, int | None, int]]:
     return bad
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "memory.simulate (and the DP, which mirrors it) count a region's input twice while the "
-    "region recomputes: once as the region's own kept input and again as its first child's "
-    "keep (or a nested first region's input), though in JAX both are the same array. "
-    "Smallest case: n=3 steps, 1 slot (budget 4 states): Revolve needs 1 extra step, the DP "
-    "finds no plan. See test_plan_space_holds_revolve_schedules."))
 def test_revolve_binomial_optimum_on_uniform_chains():
+    """The DP's optimum at c checkpoint slots is Revolve's: the plan space holds its
+    schedules, and a region's input is counted once while the region recomputes (its
+    first child keeps the same array: memory.segment_keep)."""
     assert _revolve_mismatches(10) == []
 
 
 def _simulate_input_held_once(chain: ChainModel, segments, live: int = 0,
                               inside: bool = False) -> tuple[int, float]:
-    """memory.simulate except that a region's first child does not hold the region's
-    input a second time (what JAX does: it is the same array)."""
+    """memory.simulate written out for `uniform_chain`, where a region's first child (a
+    `nothing` leaf keeping the region's input, or a region over the same input) holds
+    nothing beyond what the region holds: an independent check of memory._run's
+    bookkeeping."""
     peak, cost, kept = live, 0.0, []
     for idx, seg in enumerate(segments):
         kept.append(live)
@@ -344,12 +466,15 @@ def _simulate_input_held_once(chain: ChainModel, segments, live: int = 0,
 
 
 def test_plan_space_holds_revolve_schedules():
-    """The plan space (enumerate_plans) and the recompute costing (a region's last child
-    costs no forward) reach Revolve's optimum exactly once a region's input is held
-    once: the only gap to Revolve in the test above is the double count."""
+    """Every plan of a small uniform chain: simulate equals the reference above, and the
+    best of them reaches Revolve's optimum at every slot count (the plan space and the
+    recompute costing - a region's last child costs no forward - are Revolve's)."""
     for n in range(1, 7):
         chain = uniform_chain(n)
-        frontier = [_simulate_input_held_once(chain, p) for p in enumerate_plans(chain)]
+        frontier = []
+        for plan in enumerate_plans(chain):
+            frontier.append(simulate(chain, plan))
+            assert frontier[-1] == _simulate_input_held_once(chain, plan), plan
         assert best_within(frontier, revolve_budget(n - 1)) == n  # nothing beyond taped steps
         for c in range(1, n + 1):
             best = best_within(frontier, revolve_budget(c))
