@@ -294,6 +294,8 @@ def _report(cfg, wl, an, plan, baselines, seconds) -> dict:
         **sharded,
         "budget_bytes": plan.budget_bytes,
         "fixed": {"params_bytes": an.fixed.params_bytes, "grads_bytes": an.fixed.grads_bytes,
+                  # of grads_bytes, those live only in their stage's backward (not in total)
+                  "staged_grads_bytes": an.fixed.staged_grads_bytes,
                   "opt_state_bytes": an.fixed.opt_state_bytes,
                   "batch_bytes": an.fixed.batch_bytes, "total_bytes": an.fixed.total},
         "no_remat": {"predicted_peak_bytes": an.noremat_predicted_peak,
@@ -351,6 +353,9 @@ def _print_report(report: dict, plan, an) -> None:
     fx = report["fixed"]
     for k in ("params_bytes", "grads_bytes", "opt_state_bytes", "batch_bytes", "total_bytes"):
         mem.add_row(f"fixed: {k[:-6].replace('_', ' ')}", fb(fx[k]))
+        if k == "grads_bytes" and fx["staged_grads_bytes"]:
+            mem.add_row("  of which live only in their stage's backward",
+                        fb(fx["staged_grads_bytes"]))
     nr = report["no_remat"]
     mem.add_row("no remat: peak (XLA)", fb(nr["measured_peak_bytes"]) if nr["measured_peak_bytes"]
                 else "not verified")

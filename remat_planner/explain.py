@@ -122,7 +122,7 @@ def _explain_segment(an: Analysis, plan: Plan, seg: Segment, defining) -> Segmen
         modelled = chain.region_input_bytes(seg.start, seg.stop)
     else:
         children = ()
-        option = chain.stages[seg.start].option(seg.option)
+        option = chain.leaf_profile(seg.start, seg.stop).option(seg.option)
         cost = option.recompute_flops
         modelled = option.keep_bytes
         if seg.option == STORE:

@@ -213,6 +213,9 @@ class CostGraph:
     stages: tuple[Stage, ...]
     crossing: np.ndarray  # bytes crossing each equation boundary
     total_flops: float
+    # Stage ranges [a, c) that are one copy of a repeated block cut into several stages:
+    # the planner may also checkpoint such a copy whole, as nn.remat per block does.
+    spans: tuple[tuple[int, int], ...] = ()
 
     def boundary_bytes(self, k: int) -> int:
         """Bytes crossing the cut after stage k-1 (k=0: before the first stage)."""
@@ -369,11 +372,19 @@ def _best_repeat(tok, lo, hi, flops_prefix, floor, crossing, program) -> BlockGr
 
 
 def find_stages(program: Program, graph: nx.DiGraph, *, max_stages: int = 48) -> tuple[Stage, ...]:
-    """Cut the equation order where little crosses, from the dataflow alone.
+    """Cut the equation order where little crosses, from the dataflow alone
+    (_stages_and_blocks)."""
+    return _stages_and_blocks(program, graph, max_stages)[0]
 
-    What decides a cut is the activations that depend on a parameter (the backward
-    differentiates them): values computed from the batch alone (masks, position ids, RNG
-    keys) cross every block and never prevent a cut, though they count in the boundary
+
+def _stages_and_blocks(program: Program, graph: nx.DiGraph, max_stages: int):
+    """The stages, and the repeated blocks (find_blocks) they were cut around.
+
+    Cut the equation order where little crosses, from the dataflow alone.
+
+    What decides a cut is the activations crossing it, less those that the copies of a
+    repeated block all read (masks, position ids, rotary tables, RNG keys passed into
+    every block): such values never prevent a cut, though they count in the boundary
     bytes of every cut they cross. Module names play no part.
 
     Repeated blocks (find_blocks) are cut at every copy's boundary, and inside every copy
@@ -386,17 +397,17 @@ def find_stages(program: Program, graph: nx.DiGraph, *, max_stages: int = 48) ->
     inside blocks go first, then blocks are grouped, then the other cuts are spread.
     """
     n = len(program.eqns)
-    varying = varying_values(program) - program.aux_outputs
-    crossing = crossing_bytes(program, graph, varying)
-    largest = _largest_crossing_value(program, graph, n, varying)
     flops = [graph.nodes[("eqn", i)]["flops"] for i in range(n)]
-    groups = find_blocks(program, flops, crossing)
-    block_cuts = _block_cuts(program, graph, groups, varying, flops)
+    groups = find_blocks(program, flops, crossing_bytes(program, graph))
+    counted = _activations(program) - _shared_by_copies(program, groups) - program.aux_outputs
+    crossing = crossing_bytes(program, graph, counted)
+    largest = _largest_crossing_value(program, graph, n, counted)
+    block_cuts = _block_cuts(program, graph, groups, counted, flops)
     inside = np.zeros(n + 1, dtype=bool)
     for g in groups:
         inside[g.starts[0] + 1:g.stop] = True
     boundaries = [k for k in range(1, n) if not inside[k]]
-    passing, largest_local = _passing_bytes(program, graph, boundaries, varying)
+    passing, largest_local = _passing_bytes(program, graph, boundaries, counted)
     others = []
     for k in boundaries:
         if crossing[k] == 0 or crossing[k] <= 1.25 * largest[k]:
@@ -411,13 +422,46 @@ def find_stages(program: Program, graph: nx.DiGraph, *, max_stages: int = 48) ->
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         stages.append(Stage(lo, hi, _stage_name(program, lo, hi), float(sum(flops[lo:hi])),
                             stage_bytes(graph, lo, hi)))
-    return tuple(stages)
+    return tuple(stages), groups
 
 
-def _block_cuts(program: Program, graph: nx.DiGraph, groups, varying,
+def _activations(program: Program) -> set[int]:
+    """Values computed by equations."""
+    return {v for e in program.eqns for v in e.outvars}
+
+
+def _shared_by_copies(program: Program, groups) -> set[int]:
+    """Values read by two or more copies of a repeated block: what every block is given
+    besides its input stream (an attention mask, position ids, an RNG key)."""
+    copy_of = np.full(len(program.eqns), -1, dtype=np.int64)
+    for gi, g in enumerate(groups):
+        for j, (lo, hi) in enumerate(g.ranges):
+            copy_of[lo:hi] = gi * 1_000_000 + j
+    readers: dict[int, set[int]] = {}
+    for i, e in enumerate(program.eqns):
+        if copy_of[i] >= 0:
+            for v in e.invars:
+                if isinstance(v, int):
+                    readers.setdefault(v, set()).add(int(copy_of[i]))
+    return {v for v, copies in readers.items() if len(copies) >= 2}
+
+
+def block_spans(stages, groups) -> tuple[tuple[int, int], ...]:
+    """Stage ranges [a, c), c - a >= 2, each exactly one copy of a repeated block."""
+    first = {s.start: k for k, s in enumerate(stages)}
+    stop = {s.stop: k + 1 for k, s in enumerate(stages)}
+    out = []
+    for g in groups:
+        for lo, hi in g.ranges:
+            if lo in first and hi in stop and stop[hi] - first[lo] >= 2:
+                out.append((first[lo], stop[hi]))
+    return tuple(out)
+
+
+def _block_cuts(program: Program, graph: nx.DiGraph, groups, counted,
                 flops) -> list[list[int]]:
-    """Per group: the offsets inside a block where, in every copy, the differentiated
-    values that the copy touches and that cross the offset are no more than 1.25 x those
+    """Per group: the offsets inside a block where, in every copy, the `counted` values
+    that the copy touches and that cross the offset are no more than 1.25 x those
     crossing into the copy (the residual stream between attention and MLP)."""
     defs = definitions(program)
     last = last_uses(program)
@@ -433,8 +477,8 @@ def _block_cuts(program: Program, graph: nx.DiGraph, groups, varying,
             local = np.zeros(hi - lo + 1, dtype=np.int64)  # offsets 0..length
             diff = np.zeros(hi - lo + 2, dtype=np.int64)
             for v, where in uses.items():
-                if v not in varying or v in program.free:
-                    continue  # parameters are live anyway
+                if v not in counted or v in program.free:
+                    continue  # parameters are live anyway; shared inputs set aside
                 d, l = defs[v], last.get(v, -1)
                 if l < lo or d >= hi:
                     continue
@@ -625,6 +669,7 @@ def _stage_name(program: Program, lo: int, hi: int) -> str:
 def build_cost_graph(program: Program, *, max_stages: int = 48) -> CostGraph:
     """Graph, crossing profile and stages of a traced program."""
     graph = build_graph(program)
-    stages = find_stages(program, graph, max_stages=max_stages)
+    stages, groups = _stages_and_blocks(program, graph, max_stages)
     total = float(sum(d["flops"] for node, d in graph.nodes(data=True) if node[0] == "eqn"))
-    return CostGraph(graph, stages, crossing_bytes(program, graph), total)
+    return CostGraph(graph, stages, crossing_bytes(program, graph), total,
+                     block_spans(stages, groups))

@@ -20,12 +20,13 @@ from .costmodel import CostModel, resolve as resolve_cost_model
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph, build_cost_graph
 from .graph import jaxpr_bytes, jaxpr_flops
-from .memory import (ChainModel, FixedMemory, fixed_memory, profile_stages, scale_chain,
-                     simulate, weighted_chain, with_gathered_weights)
+from .memory import (ChainModel, FixedMemory, fixed_memory, per_parameter_update,
+                     profile_stages, scale_chain, simulate, stage_gradient_bytes,
+                     weighted_chain, with_gathered_weights, with_stage_gradients)
 from .sharding import (ShardingSpec, collective_outputs, gathered_params, unpaired_kernels,
                        with_unpaired)
 from .sharding import resolve as resolve_sharding
-from .plan import NOTHING, STORE, Plan, Segment, StageInfo
+from .plan import DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Plan, Segment, StageInfo
 from .solve import ChainSolver, Solution
 from .trace import Program, trace
 from .verify import Measurement, abstract, as_batch, make_step, measure
@@ -162,6 +163,13 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
             chain = scale_chain(chain, 1.0 / spec.data_size)
             gathered = {v: b for v, (_, b) in gathered_params(program, params, spec).items()}
             chain = with_gathered_weights(chain, program, cost, gathered)
+    if optimizer is not None and spec is None and per_parameter_update(optimizer, params):
+        # Each stage's own gradients live through its backward only (fact 9).
+        staged = stage_gradient_bytes(program, cost)
+        chain = with_stage_gradients(chain, staged)
+        fixed = dataclasses.replace(fixed, staged_grads_bytes=sum(staged))
+        if scanned is not None:
+            scanned = dataclasses.replace(scanned, chain=chain)
     store_all = [Segment(i, i + 1, STORE) for i in range(chain.n)]
     noremat_peak, _ = simulate(chain, store_all)
     # forward + backward of the unplanned step: backward ~ 2x forward for dots
@@ -288,14 +296,14 @@ def _with_other_stores(sc: "scan.ScanChain", gamma: float) -> "scan.ScanChain":
 
 
 def _scaled(chain: ChainModel, alpha: float, beta: float) -> ChainModel:
-    """The chain with `store` residuals scaled by alpha and stage workspaces by beta."""
-    stages = []
-    for s in chain.stages:
-        opts = (dataclasses.replace(s.options[0], keep_bytes=int(s.options[0].keep_bytes * alpha)),
-                *s.options[1:])
-        stages.append(dataclasses.replace(
-            s, options=opts, fwd_temp_bytes=int(s.fwd_temp_bytes * beta), bwd_temp_bytes=int(s.bwd_temp_bytes * beta)))
-    return dataclasses.replace(chain, stages=tuple(stages))
+    """The chain with `store` residuals scaled by alpha and stage (and span) workspaces by
+    beta."""
+    def scaled(s):
+        opts = tuple(dataclasses.replace(o, keep_bytes=int(o.keep_bytes * alpha))
+                     if o.name == STORE else o for o in s.options)
+        return dataclasses.replace(s, options=opts, fwd_temp_bytes=int(s.fwd_temp_bytes * beta),
+                                   bwd_temp_bytes=int(s.bwd_temp_bytes * beta))
+    return chain.map_profiles(scaled)
 
 
 def _fit_scale(f: Callable[[float], int], target: int, lo: float = 0.1, hi: float = 4.0) -> float:
@@ -458,9 +466,22 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     if best is not None:
         best, probes = _probe_cheaper(an, solver, best, budget_bytes, tried, loss_fn, params,
                                       batch, optimizer, has_aux, say, costs)
+        best, more = _probe_per_block(an, best, budget_bytes, tried, loss_fn, params, batch,
+                                      optimizer, say, costs)
+        probes += more
         best = _cheaper_verified(an, best, budget_bytes, optimizer, params, batch, say, costs)
         return dataclasses.replace(best, metadata={**best.metadata,
                                                    "verify_rounds": rounds + probes})
+    # Every plan of this call is over, but a plan with one keep rule per block, or one
+    # XLA measured at another budget of this analysis (a sweep's smaller budget), may
+    # fit: the model's error differs per plan.
+    _probe_per_block(an, None, budget_bytes, tried, loss_fn, params, batch, optimizer, say,
+                     costs)
+    fallback = _cheapest_verified(an, budget_bytes, optimizer, params, batch, costs)
+    if fallback is not None:
+        say("a plan XLA measured at another budget of this analysis fits: taking it")
+        return dataclasses.replace(fallback, metadata={**fallback.metadata,
+                                                       "verify_rounds": rounds})
     raise InfeasibleBudgetError(
         budget_bytes, max(min_budget, lowest_peak),
         f"XLA measured every plan tried over the budget ({round_ + 1} round(s), lowest "
@@ -513,6 +534,77 @@ def _probe_cheaper(an: Analysis, solver: ChainSolver, best: Plan, budget_bytes: 
     return best, probes
 
 
+# How far over the budget the model may put a per-block plan and still have it compiled:
+# the model overstates whole-block checkpoints, whose forward it charges the block's
+# whole forward+backward workspace (gpt2-tiny, each block checkpointed with
+# dots_saveable: 21.60 MB modelled, 20.28 MB by XLA, +6.5%; with
+# dots_with_no_batch_dims_saveable: 20.02 vs 18.84 MB, +6.3%).
+PER_BLOCK_MARGIN = 0.1
+# Keep rules a per-block plan applies to every copy of a repeated block: JAX's built-in
+# nothing_saveable, dots_with_no_batch_dims_saveable and dots_saveable.
+PER_BLOCK_RULES = (NOTHING, DOTS_NO_BATCH, DOTS)
+# Where a block's profile lacks a rule, the option keeping the same values (profiles
+# drop an option whose kept set equals an earlier one's): the next narrower rule.
+_NARROWER = {DOTS: (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING),
+             DOTS_NO_BATCH: (DOTS_NO_BATCH, NOTHING), NOTHING: (NOTHING,)}
+
+
+def per_block_plans(chain: ChainModel) -> list[tuple[Segment, ...]]:
+    """For each of PER_BLOCK_RULES, the plan that checkpoints every copy of a repeated
+    block whole under it and stores the rest: what `nn.remat(Block, policy=...)` gives."""
+    spans = {a: (c, profile) for a, c, profile in chain.spans}
+    plans = []
+    for rule in PER_BLOCK_RULES if spans else ():
+        segments, i = [], 0
+        while i < chain.n:
+            if i in spans:
+                c, profile = spans[i]
+                names = {o.name for o in profile.options}
+                name = next(r for r in _NARROWER[rule] if r in names)
+                segments.append(Segment(i, c, name, profile.option(name).saved))
+                i = c
+            else:
+                segments.append(Segment(i, i + 1, STORE))
+                i += 1
+        if tuple(segments) not in plans:
+            plans.append(tuple(segments))
+    return plans
+
+
+def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: list, loss_fn,
+                     params, batch, optimizer, say, costs: "_PlanCosts") -> tuple[Plan | None, int]:
+    """Compile the per-block plans (per_block_plans) that would recompute less than `best`
+    and that the model, corrected by its error on `best`, puts within PER_BLOCK_MARGIN of
+    the budget; the cheapest XLA fits wins (by XLA's FLOPs). Without `best` (every plan of the
+    closed loop over), those within the margin are measured, so the caller's reuse of
+    verified plans finds them. At most len(PER_BLOCK_RULES) compiles. Returns (plan,
+    compiles)."""
+    chain = costs.objective_chain
+    error = 0
+    if best is not None:
+        error = best.measured_peak_bytes - an.predicted_peak(
+            simulate(an.chain_for(best.segments, chain=an.chain), best.segments)[0])
+        best_cost = simulate(chain, best.segments)[1]
+    compiles = 0
+    for segments in per_block_plans(an.chain):
+        if segments in tried:
+            continue
+        act, cost = simulate(chain, segments)
+        if best is not None and cost >= best_cost:
+            continue
+        if an.predicted_peak(act) + error > budget_bytes * (1 + PER_BLOCK_MARGIN):
+            continue
+        tried.append(segments)
+        compiles += 1
+        say("verifying a plan with one keep rule per block (probe)")
+        p = _make_plan(an, Solution(segments, cost, act), budget_bytes, params, batch, error,
+                       costs=costs)
+        m = _measure_plan(an, p, loss_fn, params, batch, optimizer)
+        if best is not None and m.peak_bytes <= budget_bytes and m.flops < best.measured_flops:
+            best, best_cost = _with_measurement(p, m), cost
+    return best, compiles
+
+
 REUSE_TOLERANCE = 1e-4  # XLA FLOPs below which two plans count as equally cheap (of the step's)
 
 
@@ -554,10 +646,32 @@ def _cheaper_verified(an: Analysis, best: Plan, budget_bytes: int, optimizer, pa
             found, best_cost, margin = (segments, m), c, 0.0
     if found is None:
         return best
-    segments, m = found
-    peak, objective = simulate(costs.objective_chain, segments)
     say("a plan XLA measured at another budget of this analysis fits and recomputes less: "
         "taking it")
+    return _from_verified(an, *found, budget_bytes, params, batch, costs)
+
+
+def _cheapest_verified(an: Analysis, budget_bytes: int, optimizer, params, batch,
+                       costs: "_PlanCosts") -> Plan | None:
+    """The plan with the fewest XLA FLOPs among those XLA measured on this analysis within
+    `budget_bytes` (by the model's time with the time objective); None if there is none."""
+    timed = costs.model.kind == "time"
+    found, best_cost = None, None
+    for (segments, opt), m in list(an.verified.items()):
+        if (opt is not optimizer and opt != optimizer) or m.peak_bytes > budget_bytes:
+            continue
+        c = simulate(costs.objective_chain, segments)[1] if timed else m.flops
+        if c is not None and (best_cost is None or c < best_cost):
+            found, best_cost = (segments, m), c
+    if found is None:
+        return None
+    return _from_verified(an, *found, budget_bytes, params, batch, costs)
+
+
+def _from_verified(an: Analysis, segments, m: Measurement, budget_bytes: int, params, batch,
+                   costs: "_PlanCosts") -> Plan:
+    """The plan of `segments` with XLA's figures `m`, measured earlier on this analysis."""
+    peak, objective = simulate(costs.objective_chain, segments)
     p = _make_plan(an, Solution(segments, objective, peak), budget_bytes, params, batch,
                    m.peak_bytes - an.predicted_peak(peak), costs=costs)
     return _with_measurement(p, m, verified_at_another_budget=True)

@@ -1022,7 +1022,8 @@ class ScanChain:
         k, old = self.stage, self.chain.stages[self.stage]
         profile = scan_stage_profile(stack, old.name, old.flops, self.chain.boundary[k],
                                      self.chain.boundary[k + 1], self.input_bytes, frontier)
-        profile = dataclasses.replace(profile, bytes_accessed=old.bytes_accessed)
+        profile = dataclasses.replace(profile, bytes_accessed=old.bytes_accessed,
+                                      grad_bytes=old.grad_bytes)
         stages = self.chain.stages[:k] + (profile,) + self.chain.stages[k + 1:]
         return dataclasses.replace(self, chain=dataclasses.replace(self.chain, stages=stages),
                                    stack=stack)

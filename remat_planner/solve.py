@@ -49,11 +49,15 @@ class ChainSolver:
         u = self._units
         n = self.n
         self.x = [u(b) for b in chain.boundary]
-        self.leaf = []  # per stage: list of (option, keep, need, cost)
-        for i, s in enumerate(chain.stages):
-            self.leaf.append([(o, u(o.keep_bytes),
-                               max(u(leaf_fwd_peak(chain, i, o)), u(leaf_bwd_peak(chain, i, o))),
-                               o.recompute_flops) for o in s.options])
+        # per stage a: (stop, option, keep, need, cost) of the leaves starting at a: the
+        # stage's own options, then those of the spans (whole block copies) from a
+        self.leaf = []
+        for i in range(n):
+            profiles = [(i + 1, chain.stages[i]), *chain.spans_from(i)]
+            self.leaf.append([(c, o, u(o.keep_bytes),
+                               max(u(leaf_fwd_peak(chain, i, o, c)),
+                                   u(leaf_bwd_peak(chain, i, o, c))),
+                               o.recompute_flops) for c, p in profiles for o in p.options])
         self.flops_prefix = np.concatenate([[0.0], np.cumsum([s.flops for s in chain.stages])])
         # Tables over [a, b): per budget m (units), the least recompute FLOPs, INF where
         # nothing fits. What differs is what is live when the list starts, and what its
@@ -120,11 +124,13 @@ class ChainSolver:
         segment adds to what is live for the segments after it, base its need mask + cost
         array (a region's including its body's). Order fixes tie-breaking."""
         chain, body = self.chain, mode == "body"
-        for opt, keep, need, cost in self.leaf[a]:
+        for c, opt, keep, need, cost in self.leaf[a]:
+            if c > b or (body and c == b and c > a + 1):
+                continue  # past the list, or a span as its region's only child
             if body:  # the region's first child: what it keeps of the region's input is live
                 keep = self._units(opt.keep_bytes
-                                   - chain.first_child_shared_bytes(a, b, a + 1, opt))
-            yield ("leaf", opt), a + 1, keep, self._need(need) + cost
+                                   - chain.first_child_shared_bytes(a, b, c, opt))
+            yield ("leaf", opt), c, keep, self._need(need) + cost
         for c in range(a + 2, b + 1):
             if body:
                 if c == b:
@@ -145,7 +151,7 @@ class ChainSolver:
             if mode == "top" or kind == "region":  # a last region child costs no forward
                 return at(base)
             # The last child of a recomputation runs only the forward its kept values need.
-            return at(base) + last_child_forward_flops(self.chain.stages[a], opt.name)
+            return at(base) + last_child_forward_flops(self.chain.leaf_profile(a, c), opt.name)
         rest = (self.P if mode == "top" else self.Q)[(c, b)]  # run on top of `keep`
         fwd = 0.0 if mode == "top" else self.flops_prefix[c] - self.flops_prefix[a]
         if m is not None:
@@ -212,7 +218,7 @@ class ChainSolver:
             val = self._value(mode, kind, opt, a, b, c, keep, base, m)
             if np.isfinite(val) and math.isclose(val, target, rel_tol=1e-9, abs_tol=1e-6):
                 if kind == "leaf":
-                    seg = Segment(a, a + 1, opt.name, opt.saved if opt.name != STORE else ())
+                    seg = Segment(a, c, opt.name, opt.saved if opt.name != STORE else ())
                 else:  # its body runs on top of the `keep` units it added
                     seg = Segment(a, c, NOTHING, (), tuple(self._recover(a, c, m - keep, "body")))
                 rest = [] if c == b else self._recover(c, b, m - keep,
@@ -233,6 +239,7 @@ def enumerate_plans(chain: ChainModel, a: int = 0, b: int | None = None,
     if a == b:
         yield ()
         return
+    spans = dict(chain.spans_from(a))
     for c in range(a + 1, b + 1):
         if c == a + 1:
             firsts = [Segment(a, c, o.name, o.saved if o.name != STORE else ())
@@ -242,6 +249,8 @@ def enumerate_plans(chain: ChainModel, a: int = 0, b: int | None = None,
                 continue
             firsts = [Segment(a, c, NOTHING, (), tuple(ch))
                       for ch in enumerate_plans(chain, a, c, exclude_single_region=True)]
+            firsts += [Segment(a, c, o.name, o.saved) for o in spans[c].options] \
+                if c in spans else []
         for first in firsts:
             for rest in enumerate_plans(chain, c, b):
                 yield (first, *rest)

@@ -3,6 +3,7 @@ the planner makes of small traced DAGs), and against Revolve's binomial optimum.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -496,3 +497,56 @@ def test_no_recompute_at_the_no_remat_peak_with_default_resolution():
     assert solver.solve(top).recompute_flops == 0.0
     assert solver.solve(top).segments == tuple(store_all(chain))
     assert solver.solve(top - 1).recompute_flops > 0.0  # one byte less does not fit it
+
+
+@st.composite
+def span_chains(draw):
+    """Chains (random, with or without skips) with spans: stage ranges [a, c) that can
+    also run as one checkpoint under a keep rule (a block copy checkpointed whole, as
+    nn.remat per block does), each with its own keep, recompute and workspaces."""
+    chain = draw(st.one_of(chains(max_stages=5), skip_chains(max_stages=5)))
+    spans, a = [], 0
+    while a + 2 <= chain.n:
+        c = draw(st.integers(a + 2, min(a + 3, chain.n)))
+        if draw(st.booleans()):
+            flops = sum(s.flops for s in chain.stages[a:c])
+            options = [KeepOption(NOTHING, (), chain.region_input_bytes(a, c), flops)]
+            if draw(st.booleans()):
+                options.append(KeepOption(DOTS, (300 + a,), draw(st.integers(0, 10)),
+                                          float(draw(st.integers(0, int(flops))))))
+            temps = st.integers(0, 4)
+            spans.append((a, c, StageProfile(f"span{a}", flops, tuple(options), draw(temps),
+                                             draw(temps))))
+        a = c
+    return dataclasses.replace(chain, spans=tuple(spans))
+
+
+@settings(max_examples=60, deadline=None)
+@given(span_chains())
+def test_dp_equals_brute_force_with_spans(chain):
+    """Spans are leaves like any other: the DP still finds brute force's optimum."""
+    top = simulate(chain, store_all(chain))[0]
+    solver = ChainSolver(chain, top + 3, resolution=top + 3)
+    for budget in range(0, top + 3):
+        dp, bf = solver.solve(budget), brute_force(chain, budget)
+        assert (dp is None) == (bf is None), budget
+        if dp is None:
+            continue
+        assert math.isclose(dp.recompute_flops, bf.recompute_flops, abs_tol=1e-9), budget
+        peak, cost = simulate(chain, dp.segments)
+        assert peak <= budget and math.isclose(cost, dp.recompute_flops, abs_tol=1e-9)
+        validate_segments(dp.segments, chain.n)
+
+
+def test_a_span_is_one_checkpoint_over_its_stages():
+    """simulate charges a span leaf its own profile: keep, workspaces and recompute."""
+    stage = lambda i: StageProfile(f"s{i}", 10.0, (KeepOption(STORE, (), 50, 0.0),
+                                                   KeepOption(NOTHING, (), 4, 10.0)), 1, 1)
+    span = StageProfile("block", 20.0, (KeepOption(DOTS, (7,), 9, 5.0),), 2, 3)
+    chain = ChainModel((stage(0), stage(1), stage(2)), (0, 4, 4, 0), spans=((0, 2, span),))
+    segments = (Segment(0, 2, DOTS, (7,)), Segment(2, 3, STORE))
+    peak, cost = simulate(chain, segments)
+    # forward of the span: its in (0) and out (4) boundaries, its keep 9, its workspace 2
+    # = 15; then stage 2 stored on top: 9 + 4 + 0 + 50 + 1 = 64; its backward
+    # 9 + 2*4 + 0 + 1 = 18; the span's backward 0 + 4 + 3 = 7.
+    assert (peak, cost) == (64, 5.0)
