@@ -24,30 +24,42 @@ class InfeasibleBudgetError(RematPlannerError):
 
     exit_code = 3
 
-    def __init__(self, budget_bytes: int, min_feasible_bytes: int, detail: str = "") -> None:
+    def __init__(self, budget_bytes: int, min_feasible_bytes: int, detail: str = "",
+                 units=None) -> None:
         """Build the one-line message.
 
         Args:
             budget_bytes: The budget the user asked for.
             min_feasible_bytes: Peak bytes of the smallest feasible plan.
             detail: Optional extra context appended to the message.
+            units: budget.Units to state sizes in (the family the budget was typed in);
+                None: decimal, with the binary figure beside the smallest feasible plan.
         """
         # Imported here because budget.py imports this module at load time.
-        from remat_planner.budget import format_bytes_decimal, format_bytes_short, round_up_display
+        from remat_planner.budget import Units, format_bytes_short, round_up_display
 
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
         self.detail = detail
-        need = format_bytes_decimal(min_feasible_bytes)
+        self.units = units
+        fmt = (units or Units.DECIMAL).format
+        need = fmt(min_feasible_bytes)
+        if units is None:
+            need += f" = {format_bytes_short(min_feasible_bytes)}"
         message = (
-            f"budget {format_bytes_decimal(budget_bytes)} is below the smallest feasible plan "
-            f"({need} = {format_bytes_short(min_feasible_bytes)}); "
+            f"budget {fmt(budget_bytes)} is below the smallest feasible plan ({need}); "
             # Rounded up so that passing the suggested value really is feasible.
-            f"raise --budget to at least {format_bytes_decimal(round_up_display(min_feasible_bytes))}"
+            f"raise --budget to at least "
+            f"{fmt(round_up_display(min_feasible_bytes, units))}"
         )
         if detail:
             message += "; " + " ".join(detail.split())
         super().__init__(message)
+
+    def in_units(self, units) -> "InfeasibleBudgetError":
+        """The same error with its sizes in `units` (a budget.Units)."""
+        return InfeasibleBudgetError(self.budget_bytes, self.min_feasible_bytes, self.detail,
+                                     units)
 
 
 class PlanMismatchError(RematPlannerError):
