@@ -111,6 +111,19 @@ class Plan:
         from .explain import flax_names
         return flax_names(analysis, self)
 
+    def summary(self, analysis=None, units=None) -> str:
+        """This plan as a table a person can read: per segment the modules it covers
+        (nesting as indentation) and what it keeps in words; with the `analysis`
+        (`rp.analyze(...)` of the same step) also the bytes each keeps and the FLOPs it
+        recomputes. Then each figure (budget, peaks, recompute) with its meaning. `units`:
+        a `remat_planner.budget.Units` (default decimal: MB, GB). `str(plan)` is
+        `plan.summary()`; `repr(plan)` is the dataclass's."""
+        from .describe import summary
+        return summary(self, analysis, units)
+
+    def __str__(self) -> str:
+        return self.summary()
+
     @property
     def recompute_overhead(self) -> float:
         """Recompute FLOPs as a fraction of the unplanned step's FLOPs."""
