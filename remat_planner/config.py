@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -96,13 +97,20 @@ def _known_fields(cls: type[BaseModel], parent: tuple[str | int, ...]) -> list[s
 
 def _describe(err: ValidationError, source: str, cls: type[BaseModel], prefix: tuple[str, ...] = ()) -> str:
     """Turn a pydantic ValidationError into one line naming file, field and fix."""
-    first = err.errors()[0]
+    errors = err.errors()
+    # An unknown field comes first: a typo (`bach_size`) is the cause of the "missing
+    # required field" that comes with it.
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = tuple(first["loc"])
     dotted = ".".join(str(p) for p in prefix + loc) or "<top level>"
     kind = first["type"]
+    hint = ""
     if kind == "extra_forbidden":
-        known = ", ".join(_known_fields(cls, loc[:-1]))
-        line = f"{source}: unknown field '{dotted}' (known: {known})"
+        fields = _known_fields(cls, loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), fields, n=1) if loc else []
+        line = f"{source}: unknown field '{dotted}' (known: {', '.join(fields)})"
+        if close:
+            hint = f"; did you mean '{close[0]}'?"
     elif kind == "missing":
         line = f"{source}: missing required field '{dotted}'"
         description = _field_description(cls, loc)
@@ -117,7 +125,7 @@ def _describe(err: ValidationError, source: str, cls: type[BaseModel], prefix: t
     more = err.error_count() - 1
     if more:
         line += f" (and {more} more error{'s' if more > 1 else ''})"
-    return " ".join(line.split())
+    return " ".join((line + hint).split())
 
 
 def _field_description(cls: type[BaseModel], loc: tuple[Any, ...]) -> str:
