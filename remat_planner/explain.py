@@ -201,11 +201,32 @@ def flax_names(an: Analysis, plan: Plan) -> list[dict]:
 # Memory timeline
 # ---------------------------------------------------------------------------------------
 
-def plot_memory(an: Analysis, plan: Plan, path: str) -> None:
-    """Write the modelled live bytes over the step, with and without the plan, as PNG."""
+def plot_memory(an: Analysis, plan: Plan, path: str, units=None) -> None:
+    """Write the modelled live bytes over the step, with and without the plan, as PNG.
+    `units`: a budget.Units for the y axis (the budget's family; default decimal)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    fig = memory_figure(an, plan, units)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def memory_figure(an: Analysis, plan: Plan, units=None):
+    """The matplotlib Figure of plot_memory. The legend and the note on the peak sit right
+    of the plot, outside the axes, so they never cover a curve; the layout is constrained,
+    so the tick labels stay inside the figure."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .budget import DEFAULT_UNITS
+    from .describe import stage_label
+    units = units or DEFAULT_UNITS
+
+    def name(i: int) -> str:
+        return stage_label(plan.stages[i].name, an.program)
 
     base = an.fixed.total + an.calibration_bytes
     store_all = [Segment(i, i + 1, STORE) for i in range(an.chain.n)]
@@ -218,27 +239,28 @@ def plot_memory(an: Analysis, plan: Plan, path: str) -> None:
     plan_offset = plan.predicted_peak_bytes - (base + max(p.live_bytes for p in lines["plan"]))
     offsets = {"no remat": 0, "plan": plan_offset}
     top = max(base + max(p.live_bytes for p in lines["no remat"]), plan.budget_bytes)
-    gib, unit = (2**30, "GiB") if top > 2 * 2**30 else (2**20, "MiB")
-    fig, ax = plt.subplots(figsize=(13, 6))
+    gib, unit = units.scale(top)
+    fig, ax = plt.subplots(figsize=(14, 6.5), layout="constrained")
     ax.axhspan(0, an.fixed.total / gib, color="0.85",
                label=f"fixed: params + grads + optimizer state + batch "
                      f"({an.fixed.total / gib:.2f} {unit})")
+    note = ""
     for (label, points), color in zip(lines.items(), ("tab:red", "tab:blue")):
         x = np.linspace(0, 1, len(points))
         y = np.array([base + offsets[label] + p.live_bytes for p in points]) / gib
         ax.step(x, y, where="mid", color=color, label=f"{label} (memory model)")
         k = int(np.argmax(y))
-        ax.plot([x[k]], [y[k]], "v", color=color, markersize=9)
+        ax.plot([x[k]], [y[k]], "v", color=color, markersize=9,
+                label=f"{label}: modelled peak {y[k]:.2f} {unit}")
         if measured[label] is not None:
             ax.plot([x[k]], [measured[label] / gib], "o", color=color, markerfacecolor="none",
                     markersize=11, label=f"{label}: XLA peak {measured[label] / gib:.2f} {unit}")
         if label == "plan":
             p = points[k]
-            ax.annotate(f"peak {y[k]:.2f} {unit}: {p.phase} of {plan.stages[p.start].name}\n"
-                        f"kept from earlier stages {p.kept_bytes / gib:.2f} {unit}, "
-                        f"this step {(p.live_bytes - p.kept_bytes) / gib:.2f} {unit}",
-                        (x[k], y[k]), xytext=(0.35, 0.93), textcoords="axes fraction",
-                        arrowprops={"arrowstyle": "->"}, fontsize=9)
+            note = (f"plan's modelled peak {y[k]:.2f} {unit}:\n"
+                    f"{p.phase} of {name(p.start)}\n"
+                    f"kept from earlier stages {p.kept_bytes / gib:.2f} {unit},\n"
+                    f"live in this stage {(p.live_bytes - p.kept_bytes) / gib:.2f} {unit}")
     ax.axhline(plan.budget_bytes / gib, color="black", linestyle="--",
                label=f"budget {plan.budget_bytes / gib:.2f} {unit}")
     points = lines["plan"]
@@ -246,12 +268,15 @@ def plot_memory(an: Analysis, plan: Plan, path: str) -> None:
     every = max(1, len(points) // 12)
     ax.set_xticks(ticks[::every])
     short = {"forward": "fwd", "backward": "bwd", "recompute": "rec"}
-    ax.set_xticklabels([f"{short[p.phase]} {plan.stages[p.start].name}"[:30]
-                        for p in points[::every]], rotation=35, ha="right", fontsize=7)
+    ax.set_xticklabels([f"{short[p.phase]} {name(p.start)}"[:32]
+                        for p in points[::every]], rotation=35, ha="right",
+                       rotation_mode="anchor", fontsize=7)
+    ax.set_xlim(-0.02, 1.02)
+    ax.set_ylim(0, top / gib * 1.08)
     ax.set_xlabel("position in the step's schedule (forward, then backward; plan's stages)")
     ax.set_ylabel(f"live bytes ({unit})")
     ax.set_title("Modelled memory over the training step")
-    ax.legend(fontsize=8, loc="upper right", bbox_to_anchor=(1.0, 0.85))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    if note:  # the note on the plan's peak, as a legend entry without a line
+        ax.plot([], [], " ", label=note)
+    fig.legend(fontsize=8, loc="outside right upper")
+    return fig

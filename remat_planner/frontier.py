@@ -27,9 +27,11 @@ import jax
 
 from . import baselines
 from . import planner as pl
-from .budget import format_bytes_short as fb
+from .budget import DEFAULT_UNITS, Units
 from .errors import InfeasibleBudgetError
 from .verify import measure
+
+fb = DEFAULT_UNITS.format  # progress messages; the files take the units they are given
 
 MIN_POINTS = 12
 
@@ -324,11 +326,17 @@ def _pct(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{100 * x:.{digits}f}%"
 
 
-def _peak(p: Point) -> str:
+def _peak(p: Point, fb=DEFAULT_UNITS.format) -> str:
     return "infeasible" if p.peak_bytes is None else f"{fb(p.peak_bytes)} ({p.peak_bytes:,})"
 
 
-def markdown(fr: Frontier, command: str = "") -> str:
+def markdown(fr: Frontier, command: str = "", units: Units = DEFAULT_UNITS) -> str:
+    """frontier.md: sizes in `units` (budget.Units; the plot's axis uses the same)."""
+    fb = units.format
+
+    def _peak_(p: Point) -> str:
+        return _peak(p, fb)
+
     m = fr.model
     lines = [f"# Memory / recompute frontier: {fr.config}", ""]
     facts = ", ".join(f"{k} {v}" for k, v in m.items())
@@ -338,7 +346,9 @@ def markdown(fr: Frontier, command: str = "") -> str:
               "- every figure measured in this run: XLA memory_analysis peak (argument + "
               "output - alias + temp) and FLOPs of the donated AdamW step, compiled with "
               "`xla_disable_hlo_passes=cse_barrier_expander`; overhead = extra FLOPs / "
-              f"FLOPs without remat ({fr.noremat.flops:.4g})"]
+              f"FLOPs without remat ({fr.noremat.flops:.4g})",
+              f"- sizes in {units.example.split(' = ')[0]} ({units.example}), as on "
+              "frontier.png's x axis; frontier.csv in bytes"]
     if command:
         lines.append(f"- command: `{command}`")
     knee = fr.knee
@@ -353,14 +363,14 @@ def markdown(fr: Frontier, command: str = "") -> str:
     for p in sorted(fr.points, key=lambda p: (p.budget_bytes or 0)):
         mark = ("**knee**" if p.knee else "yes") if p.on_frontier else ""
         lines.append(
-            f"| {p.label} | {fb(p.budget_bytes)} | {_peak(p)} | "
+            f"| {p.label} | {fb(p.budget_bytes)} | {_peak_(p)} | "
             f"{'-' if p.predicted_peak_bytes is None else fb(p.predicted_peak_bytes)} | "
             f"{_pct(p.overhead)} | {_pct(p.predicted_overhead)} | {p.verify_rounds or '-'} | "
             f"{mark} | {p.plan or p.note} |")
     lines += ["", "## JAX built-in policies (same step, same measurement)", "",
               "| policy | how | XLA peak | overhead (XLA FLOPs) |", "|---|---|---|---|"]
     for p in fr.builtins:
-        lines.append(f"| {p.label} | {p.plan} | {_peak(p)} | {_pct(p.overhead)} |")
+        lines.append(f"| {p.label} | {p.plan} | {_peak_(p)} | {_pct(p.overhead)} |")
     lines += ["", "## Planner with the budget at each built-in policy's XLA peak", "",
               "| built-in | budget = its XLA peak | its overhead | planner XLA peak "
               "| planner overhead | planner recompute vs policy | planner <= policy |",
@@ -369,19 +379,21 @@ def markdown(fr: Frontier, command: str = "") -> str:
         rel = c.relative_recompute
         lines.append(
             f"| {c.builtin.label} | {fb(c.builtin.peak_bytes)} | {_pct(c.builtin.overhead)} | "
-            f"{_peak(c.planner)} | {_pct(c.planner.overhead)} | "
+            f"{_peak_(c.planner)} | {_pct(c.planner.overhead)} | "
             f"{'-' if rel is None else f'{100 * rel:+.1f}%'} | "
             f"{'yes' if c.planner_not_worse else 'no'} |")
     return "\n".join(lines) + "\n"
 
 
-def write_markdown(fr: Frontier, path: str, command: str = "") -> None:
+def write_markdown(fr: Frontier, path: str, command: str = "",
+                   units: Units = DEFAULT_UNITS) -> None:
     with open(path, "w") as f:
-        f.write(markdown(fr, command))
+        f.write(markdown(fr, command, units))
 
 
-def plot(fr: Frontier, path: str) -> None:
-    """x = XLA peak (GB, or MB below 1 GB), y = overhead %: the planner's frontier as a step line (the
+def plot(fr: Frontier, path: str, units: Units = DEFAULT_UNITS) -> None:
+    """x = XLA peak (in `units`, the family frontier.md uses: GB, or MB below 1 GB; GiB /
+    MiB for binary), y = overhead %: the planner's frontier as a step line (the
     least overhead measured at or below each peak), its other points faint, every built-in
     as a labelled point, the knee starred."""
     import matplotlib
@@ -389,7 +401,7 @@ def plot(fr: Frontier, path: str) -> None:
     import matplotlib.pyplot as plt
 
     top = max(p.peak_bytes for p in fr.builtins + [q for q in fr.points if q.feasible])
-    gb, unit = (1e9, "GB") if top >= 1e9 else (1e6, "MB")
+    gb, unit = units.scale(top)
     fig, ax = plt.subplots(figsize=(9, 5.5))
     front = fr.frontier
     xs = [p.peak_bytes / gb for p in front]
