@@ -124,6 +124,13 @@ class Plan:
     def __str__(self) -> str:
         return self.summary()
 
+    def to_flax(self, analysis, loss_fn=None, params=None, batch=None):
+        """This plan as `nn.remat` wraps of whole Flax modules with policy predicates
+        (`analysis`: the `remat_planner.analyze(...)` it was made with; the step's
+        arguments name the modules' classes); see `remat_planner.export`."""
+        from .export import export_for
+        return export_for(self, analysis, loss_fn, params, batch)
+
     @property
     def recompute_overhead(self) -> float:
         """Recompute FLOPs as a fraction of the unplanned step's FLOPs."""
