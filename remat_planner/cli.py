@@ -31,9 +31,15 @@ def _parser(prog: str, description: str, example: str) -> argparse.ArgumentParse
     p = argparse.ArgumentParser(prog=prog, description=description, epilog=EXIT_CODES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help=f"YAML config, e.g. {example}")
-    p.add_argument("--budget", required=True,
+    p.add_argument("--budget",
                    help="memory for the whole step: params + grads + optimizer state + batch + "
-                        "activations, e.g. 12GB (10^9) or 11GiB (2^30) or bytes")
+                        "activations, e.g. 12GB (10^9) or 11GiB (2^30) or bytes; sizes are "
+                        "shown in the family you type (GB in, GB out; GiB in, GiB out; plain "
+                        "bytes: GB). Required unless --plan gives a saved plan (then its budget)")
+    p.add_argument("--plan", metavar="PLAN.json",
+                   help="use a plan saved with --out instead of planning: it is checked against "
+                        "this config (a plan for another model, batch or dtype is refused, exit "
+                        "2) and verified against the budget with XLA")
     p.add_argument("--batch-size", type=int, help="override the config's batch_size")
     p.add_argument("--seq-len", type=int, help="override the config's seq_len")
     p.add_argument("--mesh", help="device mesh for a sharded step, e.g. data=4,model=2 "
@@ -118,27 +124,63 @@ def _frontier_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = _join_negative_budget(list(sys.argv[1:] if argv is None else argv))
-    from .errors import RematPlannerError
+    from .errors import InfeasibleBudgetError, RematPlannerError
+    args = None
     try:
         if argv[:1] == ["explain"]:
-            args = _explain_parser().parse_args(argv[1:])
+            args = _parse(_explain_parser(), argv[1:])
             return _explain(args)
         if argv[:1] == ["train"]:
-            args = _train_parser().parse_args(argv[1:])
+            args = _parse(_train_parser(), argv[1:])
             return _train(args)
         if argv[:1] == ["frontier"]:
             args = _frontier_parser().parse_args(argv[1:])
             return _frontier(args)
-        args = _plan_parser().parse_args(argv)
+        args = _parse(_plan_parser(), argv)
         if args.max_batch:
+            if args.plan:
+                from .errors import ConfigError
+                raise ConfigError("--max-batch plans every batch size it probes; drop --plan")
             return _max_batch(args)
         return _plan(args)
+    except InfeasibleBudgetError as e:
+        units = getattr(args, "units", None)
+        if units is not None:
+            e = e.in_units(units)
+        print(f"remat-plan: error: {e}", file=sys.stderr)
+        return e.exit_code
     except RematPlannerError as e:
         print(f"remat-plan: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("remat-plan: interrupted", file=sys.stderr)
         return 130
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]):
+    """Parse; a command that takes --budget needs it unless --plan names a saved plan."""
+    args = parser.parse_args(argv)
+    if args.budget is None and getattr(args, "plan", None) is None:
+        parser.error("the following arguments are required: --budget (or --plan PLAN.json)")
+    args.units = None
+    return args
+
+
+def _console(stderr: bool = False):
+    """A rich Console. Piped or redirected (not a terminal), it is wide enough that no
+    table cell is cut (cells that still do not fit wrap: no column truncates)."""
+    from rich.console import Console
+    stream = sys.stderr if stderr else sys.stdout
+    if stream.isatty():
+        return Console(stderr=stderr)
+    return Console(stderr=stderr, width=200)
+
+
+def _cols(table, *names: str, left: tuple[str, ...] = ()) -> None:
+    """Add columns that wrap (never cut) their cells; `left` ones left-justified, the rest
+    right-justified."""
+    for n in names:
+        table.add_column(n, justify="left" if n in left else "right", overflow="fold")
 
 
 def _join_negative_budget(argv: list[str]) -> list[str]:
@@ -177,8 +219,61 @@ def _check_writable(path: str | None, *, directory: bool = False) -> None:
                           "choose another path")
 
 
+_OVERRIDES = (("batch_size", "--batch-size"), ("seq_len", "--seq-len"), ("mesh", "--mesh"),
+              ("sharding", "--sharding"))
+
+
+def _check_flags(args) -> None:
+    """A bad flag value is the flag's fault, not the config file's: say so first."""
+    from .errors import ConfigError
+    for field, flag in _OVERRIDES[:2]:
+        value = getattr(args, field, None)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag} {value}: must be greater than 0 (it overrides the "
+                              f"config's field '{field}')")
+
+
+def _blame_flags(args, err):
+    """A ConfigError about a field a flag overrode, reworded to name the flag."""
+    from .errors import ConfigError
+    text = str(err)
+    for field, flag in _OVERRIDES:
+        value = getattr(args, field, None)
+        if value is None:
+            continue
+        for marker in (f"field '{field}': ", f"field '{field}'"):
+            if marker in text:
+                source, _, rest = text.partition(marker)
+                where = source.rstrip(": ")
+                rest = rest.replace(f" {field} ", f" {flag} ")
+                return ConfigError(f"{flag} {value}: {rest or 'invalid'} (it overrides "
+                                   f"the field '{field}' of {where})")
+    return err
+
+
+def _load_config(args):
+    from .config import load_config
+    from .errors import ConfigError
+    _check_flags(args)
+    try:
+        return load_config(args.config, batch_size=args.batch_size, seq_len=args.seq_len,
+                           mesh=getattr(args, "mesh", None),
+                           sharding=getattr(args, "sharding", None))
+    except ConfigError as e:
+        raise _blame_flags(args, e) from None
+
+
+def _build_workload(args, cfg):
+    from .config import build_workload
+    from .errors import ConfigError
+    try:
+        return build_workload(cfg)
+    except ConfigError as e:
+        raise _blame_flags(args, e) from None
+
+
 def _load(args):
-    from .budget import parse_budget
+    from .budget import DEFAULT_UNITS, Units, parse_budget, units_of
     _check_writable(getattr(args, "out", None), directory=getattr(args, "out_is_dir", False))
     if args.cpu_devices is not None:
         from .errors import ConfigError
@@ -187,19 +282,82 @@ def _load(args):
         import jax
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    from .config import build_workload, load_config, make_optimizer, sharding_spec
-    budget = parse_budget(args.budget)
-    cfg = load_config(args.config, batch_size=args.batch_size, seq_len=args.seq_len,
-                      mesh=args.mesh, sharding=args.sharding)
+    from .config import make_optimizer, sharding_spec
+    budget = None if args.budget is None else parse_budget(args.budget)
+    args.units = units_of(args.budget) if args.budget is not None else DEFAULT_UNITS
+    cfg = _load_config(args)
     args.spec = sharding_spec(cfg)
-    wl = build_workload(cfg)
+    wl = _build_workload(args, cfg)
     if args.spec is not None and args.spec.model_axis:
         # the tp layout (which kernels stay replicated) once, for the planner and the
         # built-in policies it is compared with alike
         from .sharding import with_unpaired
         args.spec = with_unpaired(args.spec, wl.loss_fn, wl.abstract_params,
                                   wl.abstract_batch, wl.has_aux)
+    args.saved_plan = None
+    if getattr(args, "plan", None):
+        args.saved_plan = _saved_plan(args.plan, wl, args.spec)
+        if budget is None:  # the saved plan's own budget, in the units it was given in
+            budget = args.saved_plan.budget_bytes
+            args.units = Units(args.saved_plan.metadata.get("units", DEFAULT_UNITS.value))
     return cfg, wl, make_optimizer(cfg.optimizer), budget
+
+
+def _saved_plan(path: str, wl, spec):
+    """The plan saved in `path`, checked against this step: one line naming what differs
+    (PlanMismatchError, exit 2) for another model, batch shape, dtype or sharding."""
+    from .apply import check_matches
+    from .errors import ConfigError, PlanMismatchError
+    from .plan import Plan
+    from .trace import trace
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        raise ConfigError(f"cannot read --plan {path!r}: {why}; pass a plan file written by "
+                          "remat-plan --out") from None
+    try:
+        plan = Plan.from_json(text)
+    except PlanMismatchError as e:
+        raise PlanMismatchError(f"--plan {path}: {e}") from None
+    theirs = plan.metadata.get("sharding")
+    ours = spec.to_dict() if spec is not None else None
+    if (theirs is None) != (ours is None) or (ours is not None and (
+            theirs.get("scheme"), theirs.get("mesh")) != (ours.get("scheme"), ours.get("mesh"))):
+        def name(d):
+            return "one device" if d is None else f"{d.get('scheme')} on mesh {d.get('mesh')}"
+        raise PlanMismatchError(f"--plan {path} was made for another step: sharding: "
+                                f"{name(ours)} (plan: {name(theirs)}); re-plan for this step")
+    program = trace(wl.loss_fn, wl.abstract_params, *wl.abstract_batch, has_aux=wl.has_aux)
+    try:
+        check_matches(plan, program, wl.abstract_params, wl.abstract_batch)
+    except PlanMismatchError as e:
+        what = str(e).removeprefix("plan does not match this computation: ")
+        raise PlanMismatchError(f"--plan {path} was made for another step: {what}") from None
+    return plan
+
+
+def _verify_saved(plan, wl, optimizer, budget: int, spec, verify: bool = True):
+    """A saved plan held against `budget`: XLA's peak and FLOPs of the planned step."""
+    import dataclasses
+
+    from .verify import measure
+    plan = dataclasses.replace(plan, budget_bytes=int(budget),
+                               metadata={**plan.metadata,
+                                         "saved_budget_bytes": plan.budget_bytes})
+    if not verify:
+        return dataclasses.replace(plan, measured_peak_bytes=None, measured_flops=None)
+    m = measure(plan.apply(wl.loss_fn, wl.has_aux), wl.abstract_params, wl.abstract_batch,
+                optimizer, wl.has_aux, sharding=spec)
+    return dataclasses.replace(plan, measured_peak_bytes=m.peak_bytes, measured_flops=m.flops)
+
+
+def _with_units(plan, units):
+    """The plan with the budget's unit family in its metadata, so a later --plan shows
+    sizes in the same family."""
+    import dataclasses
+    return dataclasses.replace(plan, metadata={**plan.metadata, "units": units.value})
 
 
 def _progress(console, enabled: bool):
@@ -228,17 +386,16 @@ def _analyze_and_plan(wl, optimizer, budget: int, verify: bool, say, spec=None,
 
 
 def _plan(args) -> int:
-    from rich.console import Console
-
     from . import planner as pl
     from .apply import builtin_policy_loss
     from .verify import measure
 
-    err = Console(stderr=True)
+    err = _console(stderr=True)
     cfg, wl, optimizer, budget = _load(args)
     status, say = _progress(err, err.is_terminal and not args.json)
     t0 = time.perf_counter()
-    compare = not args.no_verify and not args.no_compare
+    verify = not args.no_verify
+    compare = verify and not args.no_compare
     # The built-in policies do not depend on the plan: measure them on a worker thread
     # while the planner runs (XLA compiles release the GIL, so the two overlap).
     pool = ThreadPoolExecutor(max_workers=1) if compare else None
@@ -250,8 +407,15 @@ def _plan(args) -> int:
             futures[name] = pool.submit(measure, loss, wl.abstract_params, wl.abstract_batch,
                                         optimizer, wl.has_aux, sharding=args.spec)
     try:
-        an, plan = _analyze_and_plan(wl, optimizer, budget, not args.no_verify, say, args.spec,
-                                     _cost_model(args, cfg))
+        if args.saved_plan is not None:
+            an = pl.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, optimizer,
+                            calibrate=verify, progress=say, has_aux=wl.has_aux,
+                            sharding=args.spec)
+            say(f"verifying the saved plan {args.plan} with XLA")
+            plan = _verify_saved(args.saved_plan, wl, optimizer, budget, args.spec, verify)
+        else:
+            an, plan = _analyze_and_plan(wl, optimizer, budget, verify, say, args.spec,
+                                         _cost_model(args, cfg))
         baselines = {}
         if compare:
             baselines["no_remat"] = an.noremat
@@ -266,15 +430,34 @@ def _plan(args) -> int:
     seconds = time.perf_counter() - t0
     if args.out:
         with open(args.out, "w") as f:
-            f.write(plan.to_json())
+            f.write(_with_units(plan, args.units).to_json())
     report = _report(cfg, wl, an, plan, baselines, seconds)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        _print_report(report, plan, an)
+        _print_report(report, plan, an, args.units, args.plan)
         if args.out:
-            Console().print(f"plan written to {args.out}")
+            _console().print(f"plan written to {args.out}", markup=False, highlight=False)
+    if args.saved_plan is not None and plan.fits() is False:
+        raise _over_budget(args, plan, "")
     return 0
+
+
+def _over_budget(args, plan, command: str):
+    """The one-line error for a saved plan that XLA finds above the budget (exit 3)."""
+    from .errors import PlanOverBudgetError
+    fb = args.units.format
+    budget = fb(plan.budget_bytes).replace(" ", "")
+    return PlanOverBudgetError(
+        f"the saved plan {args.plan} does not fit the budget: XLA peak "
+        f"{fb(plan.measured_peak_bytes)} > {fb(plan.budget_bytes)}; raise --budget to at least "
+        f"{fb(round_up(plan.measured_peak_bytes, args.units))} or re-plan: remat-plan "
+        f"{command}{args.config} --budget {budget} --out NEW.json")
+
+
+def round_up(n: int, units) -> int:
+    from .budget import round_up_display
+    return round_up_display(n, units)
 
 
 def _report(cfg, wl, an, plan, baselines, seconds) -> dict:
@@ -330,56 +513,88 @@ def _segment_row(plan, seg, depth: int = 0) -> dict:
     return row
 
 
-def _print_report(report: dict, plan, an) -> None:
-    from rich.console import Console
-    from rich.table import Table
-    from rich.tree import Tree
+# What each row of the step-memory table means, one line each.
+_MEANING = {
+    "params": "the model's parameters",
+    "grads": "one gradient per parameter",
+    "staged": "freed once their update is applied, so not in the total",
+    "opt_state": "optimizer state (Adam/AdamW: two moments per parameter)",
+    "batch": "the step's inputs",
+    "total": "held through the whole step, whatever the plan",
+    "no_remat": "XLA's peak of the step as written, without remat",
+    "budget": "what you asked for (--budget): the whole step's memory",
+    "predicted": "the memory model's peak of the planned step",
+    "measured": "XLA's buffer assignment of the compiled planned step: the figure that "
+                "proves the fit",
+    "overhead": "extra FLOPs spent recomputing, as a share of the step without remat: by "
+                "the cost model, and counted by XLA in the compiled step (trust XLA's)",
+    "time": "predicted extra step time by the roofline model (FLOPs and bytes moved per "
+            "recomputed equation); --cost-model time minimises it",
+}
 
-    from .budget import format_bytes_short as fb
-    console = Console()
+
+def _print_report(report: dict, plan, an, units, plan_file: str | None = None) -> None:
+    from rich.table import Table
+
+    from .describe import summary
+    fb = units.format
+    console = _console()
     m = report["model"]
     head = Table(title="model", show_header=False)
+    _cols(head, "field", "value", left=("field", "value"))
     for k, v in m.items():
-        head.add_row(k, f"{v:,}" if isinstance(v, int) else str(v))
+        head.add_row(k, ("yes" if v else "no") if isinstance(v, bool)
+                     else f"{v:,}" if isinstance(v, int) else str(v))
     sh = report.get("sharding")
     if sh:
         head.add_row("sharding", f"{sh['scheme']} on mesh {sh['mesh']} ({sh['devices']} devices); "
                                  "every figure below is per device")
     console.print(head)
 
-    mem = Table(title="step memory", show_header=True)
-    mem.add_column("what")
-    mem.add_column("bytes", justify="right")
+    mem = Table(title=f"step memory ({units.example})", show_header=True)
+    _cols(mem, "what", "size", "meaning", left=("what", "meaning"))
+    mem.columns[2].max_width = 72
     fx = report["fixed"]
     for k in ("params_bytes", "grads_bytes", "opt_state_bytes", "batch_bytes", "total_bytes"):
-        mem.add_row(f"fixed: {k[:-6].replace('_', ' ')}", fb(fx[k]))
+        mem.add_row(f"fixed: {k[:-6].replace('_', ' ')}", fb(fx[k]), _MEANING[k[:-6]])
         if k == "grads_bytes" and fx["staged_grads_bytes"]:
             mem.add_row("  of which live only in their stage's backward",
-                        fb(fx["staged_grads_bytes"]))
+                        fb(fx["staged_grads_bytes"]), _MEANING["staged"])
     nr = report["no_remat"]
     mem.add_row("no remat: peak (XLA)", fb(nr["measured_peak_bytes"]) if nr["measured_peak_bytes"]
-                else "not verified")
-    mem.add_row("budget", fb(report["budget_bytes"]))
+                else "not verified", _MEANING["no_remat"])
+    mem.add_row("budget", fb(report["budget_bytes"]), _MEANING["budget"])
     pr = report["plan"]
-    mem.add_row("plan: predicted peak", fb(pr["predicted_peak_bytes"]))
+    mem.add_row("plan: predicted peak", fb(pr["predicted_peak_bytes"]), _MEANING["predicted"])
     mem.add_row("plan: XLA-verified peak", fb(pr["measured_peak_bytes"])
-                if pr["measured_peak_bytes"] else "not verified")
+                if pr["measured_peak_bytes"] else "not verified", _MEANING["measured"])
     over = pr["recompute_overhead_measured"]
     mem.add_row("plan: recompute overhead", f"{100 * pr['recompute_overhead_predicted']:.1f}% "
-                f"predicted" + (f", {100 * over:.1f}% by XLA FLOPs" if over is not None else ""))
-    if pr.get("recompute_time_overhead_predicted") is not None:
-        mem.add_row(f"plan: recompute time (minimising {pr['cost_model']})",
-                    f"{100 * pr['recompute_time_overhead_predicted']:.1f}% predicted")
+                f"predicted" + (f", {100 * over:.1f}% by XLA FLOPs" if over is not None else ""),
+                _MEANING["overhead"])
+    if pr.get("cost_model") == "time" and pr.get("recompute_time_overhead_predicted") is not None:
+        mem.add_row("plan: recompute time",
+                    f"{100 * pr['recompute_time_overhead_predicted']:.1f}% predicted",
+                    _MEANING["time"])
     console.print(mem)
+    no_remat_peak = nr["measured_peak_bytes"] or report["no_remat"].get("predicted_peak_bytes")
+    if no_remat_peak and report["budget_bytes"] >= no_remat_peak:
+        console.print(f"no remat needed: the step without remat peaks at {fb(no_remat_peak)}, "
+                      f"within the budget {fb(report['budget_bytes'])}", markup=False,
+                      highlight=False)
+    if plan_file:
+        saved = plan.metadata.get("saved_budget_bytes")
+        console.print(f"plan loaded from {plan_file}" + (
+            f" (solved for a budget of {fb(saved)})" if saved is not None else ""),
+            markup=False, highlight=False)
 
-    tree = Tree(f"plan: {len(plan.segments)} top-level segments")
-    _add_segments(tree, pr["segments"])
-    console.print(tree)
+    console.print(summary(plan, an, units, figures=False), markup=False, highlight=False,
+                  soft_wrap=True)
 
     if report["builtin_policies"]:
-        cmp_ = Table(title="same step, JAX built-in policies per block (XLA)")
-        for col in ("policy", "peak", "fits budget", "recompute overhead"):
-            cmp_.add_column(col, justify="right" if col != "policy" else "left")
+        cmp_ = Table(title="same step, JAX built-in policies per block (XLA: peak and "
+                           "recompute overhead of each compiled step)")
+        _cols(cmp_, "policy", "peak", "fits budget", "recompute overhead", left=("policy",))
         rows = dict(report["builtin_policies"])
         rows["remat-planner"] = {"measured_peak_bytes": pr["measured_peak_bytes"],
                                  "recompute_overhead": over}
@@ -391,8 +606,7 @@ def _print_report(report: dict, plan, an) -> None:
         console.print(cmp_)
     if sh and sh.get("communication_plan"):
         comm = Table(title="communication per device (collectives in the compiled step)")
-        for col in ("collective", "no remat", "plan"):
-            comm.add_column(col, justify="right" if col != "collective" else "left")
+        _cols(comm, "collective", "no remat", "plan", left=("collective",))
         before, after = sh["communication_no_remat"] or {}, sh["communication_plan"]
         for kind, c in after.items():
             b = before.get(kind, {"count": 0, "bytes": 0})
@@ -403,30 +617,26 @@ def _print_report(report: dict, plan, an) -> None:
     console.print(f"done in {report['seconds']:.1f}s")
 
 
-def _add_segments(tree, rows) -> None:
-    from rich.markup import escape
-    for r in rows:
-        label = f"stages {r['stages'][0]}-{r['stages'][1] - 1} {escape(r['modules'])}: {r['keep']}"
-        if r["saved_values"]:
-            label += f" ({r['saved_values']} named values kept)"
-        node = tree.add(label)
-        if "children" in r:
-            _add_segments(node, r["children"])
-
-
 def _explain(args) -> int:
     import os
 
-    from rich.console import Console
-
+    from . import planner as pl
     from .explain import explain, flax_names, plot_memory
 
     cfg, wl, optimizer, budget = _load(args)
-    err = Console(stderr=True)
+    err = _console(stderr=True)
     status, say = _progress(err, err.is_terminal and not args.json)
+    verify = not args.no_verify
     try:
-        an, plan = _analyze_and_plan(wl, optimizer, budget, not args.no_verify, say, args.spec,
-                                     _cost_model(args, cfg))
+        if args.saved_plan is not None:
+            an = pl.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, optimizer,
+                            calibrate=verify, progress=say, has_aux=wl.has_aux,
+                            sharding=args.spec)
+            say(f"verifying the saved plan {args.plan} with XLA")
+            plan = _verify_saved(args.saved_plan, wl, optimizer, budget, args.spec, verify)
+        else:
+            an, plan = _analyze_and_plan(wl, optimizer, budget, verify, say, args.spec,
+                                         _cost_model(args, cfg))
         say("explaining")
         ex = explain(an, plan)
         report = {**ex.to_dict(), "flax_names": flax_names(an, plan)}
@@ -434,58 +644,79 @@ def _explain(args) -> int:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "explain.json"), "w") as f:
                 json.dump(report, f, indent=1)
-            plot_memory(an, plan, os.path.join(args.out, "memory.png"))
+            plot_memory(an, plan, os.path.join(args.out, "memory.png"), units=args.units)
     finally:
         if status is not None:
             status.stop()
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        _print_explanation(ex)
+        _print_explanation(ex, an, plan, args.units)
+        if args.plan:
+            print(f"plan loaded from {args.plan}")
         if args.out:
-            Console().print(f"wrote {args.out}/explain.json and {args.out}/memory.png")
+            print(f"wrote {args.out}/explain.json and {args.out}/memory.png")
     return 0
 
 
-def _print_explanation(ex) -> None:
-    from rich.console import Console
-    from rich.markup import escape
+def _print_explanation(ex, an, plan, units) -> None:
     from rich.table import Table
+    from rich.text import Text
     from rich.tree import Tree
 
-    from .budget import format_bytes_short as fb
-    console = Console()
-    tree = Tree("plan")
+    from .budget import format_flops
+    from .describe import keep_words, stage_label, _sub_stages
+    fb = units.format
+    console = _console()
+    n = len(plan.stages)
+    subs = _sub_stages(an)
+    tree = Tree(Text(f"plan (sizes in {units.example})"))
 
-    def walk(node, segs, depth):
+    def name_of(s) -> str:
+        first = stage_label(plan.stages[s.start].name, an.program, s.start == n - 1)
+        if s.stop - s.start == 1:
+            return first
+        return f"{first} to {stage_label(plan.stages[s.stop - 1].name, an.program, s.stop == n)}"
+
+    def walk(node, segs):
         for s in segs:
-            name = s.modules[0] if len(s.modules) == 1 else f"{s.modules[0]} .. {s.modules[-1]}"
-            node_s = node.add(f"{escape(name)}: {s.option}, keeps {fb(s.saved_bytes)}, recomputes "
-                              f"{s.recompute_flops / 1e9:.1f} GFLOP "
-                              f"({100 * s.recompute_flops / ex.step_flops:.2f}% of the step)")
-            walk(node_s, s.children, depth + 1)
-            table = Table(title=f"{escape(name)} [{s.option}]", title_justify="left")
-            for col in ("kept", "module", "produced by", "shape", "dtype", "bytes"):
-                table.add_column(col, justify="right" if col == "bytes" else "left")
+            name = name_of(s)
+            what = ("only its inputs: one checkpoint around the segments below" if s.children
+                    else keep_words(s.option, subs))
+            share = 100 * s.recompute_flops / ex.step_flops if ex.step_flops else 0.0
+            node_s = node.add(Text(f"{name}: keeps {what}; {fb(s.saved_bytes)} kept; "
+                                   f"recomputes {format_flops(s.recompute_flops)} "
+                                   f"({share:.2f}% of the step)"))
+            walk(node_s, s.children)
+            table = Table(title=Text(f"{name}: keeps {what}"), title_justify="left")
+            _cols(table, "kept", "module", "produced by", "shape", "dtype", "size",
+                  left=("kept", "module", "produced by", "shape", "dtype"))
             for t in s.kept:
-                table.add_row(t.what, escape(t.module), t.primitive, str(list(t.shape)), t.dtype,
-                              fb(t.nbytes))
+                what_t = "value kept by the checkpoint policy" if t.what == "named value" else t.what
+                module = stage_label(t.module, an.program) if t.module else ""
+                table.add_row(*(Text(x) for x in (what_t, module, t.primitive,
+                                                   str(list(t.shape)), t.dtype, fb(t.nbytes))))
             tables.append(table)
 
     tables = []
-    walk(tree, ex.segments, 0)
+    walk(tree, ex.segments)
     for t in tables:
-        console.print(t)
-    console.print(tree)
+        console.print(t, markup=False)
+    console.print(tree, markup=False)
     measured = fb(ex.measured_peak_bytes) if ex.measured_peak_bytes else "not verified"
+    share = 100 * ex.recompute_flops / ex.step_flops if ex.step_flops else 0.0
     console.print(f"kept tensors {fb(ex.saved_bytes)}; predicted peak {fb(ex.predicted_peak_bytes)}"
                   f", XLA peak {measured}, budget {fb(ex.budget_bytes)}; recompute "
-                  f"{100 * ex.recompute_flops / ex.step_flops:.2f}% of the step's FLOPs")
+                  f"{format_flops(ex.recompute_flops)}, {share:.2f}% of the step's FLOPs",
+                  markup=False, highlight=False)
+    if ex.noremat_measured_peak_bytes and ex.budget_bytes >= ex.noremat_measured_peak_bytes:
+        console.print(f"no remat needed: the step without remat peaks at "
+                      f"{fb(ex.noremat_measured_peak_bytes)} (XLA), within the budget",
+                      markup=False, highlight=False)
 
 
 def _train(args) -> int:
     import jax
-    from rich.console import Console
     from rich.progress import Progress
 
     from . import planner as pl
@@ -495,13 +726,23 @@ def _train(args) -> int:
         from .errors import ConfigError
         raise ConfigError(f"--steps must be positive, got {args.steps}")
     cfg, wl, optimizer, budget = _load(args)
-    console = Console(stderr=True)
-    with console.status("planning"):
-        plan = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer,
-                       has_aux=wl.has_aux, sharding=args.spec,
-                       cost_model=_cost_model(args, cfg))
-    console.print(f"plan: XLA peak {plan.measured_peak_bytes:,} bytes <= budget "
-                  f"{plan.budget_bytes:,}; predicted recompute {100 * plan.recompute_overhead:.1f}%")
+    console = _console(stderr=True)
+    fb = args.units.format
+    if args.saved_plan is not None:
+        with console.status(f"verifying the saved plan {args.plan} with XLA"):
+            plan = _verify_saved(args.saved_plan, wl, optimizer, budget, args.spec)
+        if not plan.fits():
+            raise _over_budget(args, plan, "")
+    else:
+        with console.status("planning"):
+            plan = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer,
+                           has_aux=wl.has_aux, sharding=args.spec,
+                           cost_model=_cost_model(args, cfg))
+    source = f"plan from {args.plan}" if args.plan else "plan"
+    console.print(f"{source}: XLA peak {fb(plan.measured_peak_bytes)} <= budget "
+                  f"{fb(plan.budget_bytes)} (XLA's buffer assignment of the compiled step); "
+                  f"recompute {100 * plan.recompute_overhead:.1f}% of the step's FLOPs "
+                  "(cost model)", markup=False, highlight=False)
     key = jax.random.key(cfg.seed)
     params = wl.init_params(key)
     opt_state = optimizer.init(params)
@@ -528,7 +769,7 @@ def _train(args) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        Console().print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps")
+        _console().print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps")
     return 0
 
 
@@ -565,15 +806,17 @@ def _frontier(args) -> int:
     from rich.console import Console
 
     from . import frontier as fr_mod
-    from .config import build_workload, load_config, make_optimizer
+    from .budget import DEFAULT_UNITS
+    from .config import make_optimizer
     from .errors import ConfigError
 
     if args.points < fr_mod.MIN_POINTS:
         raise ConfigError(f"--points must be at least {fr_mod.MIN_POINTS}, got {args.points}")
     _check_writable(args.out, directory=True)
-    cfg = load_config(args.config, batch_size=args.batch_size, seq_len=args.seq_len)
-    wl, optimizer = build_workload(cfg), make_optimizer(cfg.optimizer)
-    err = Console(stderr=True)
+    units = DEFAULT_UNITS
+    cfg = _load_config(args)
+    wl, optimizer = _build_workload(args, cfg), make_optimizer(cfg.optimizer)
+    err = _console(stderr=True)
     with _progress_bar(err, err.is_terminal and not args.json,
                        fr_mod.total_steps(args.points)) as (step, say):
         fr = fr_mod.sweep(wl, optimizer, points=args.points, config=args.config,
@@ -588,36 +831,33 @@ def _frontier(args) -> int:
         + (["--batch-size", str(args.batch_size)] if args.batch_size else [])
         + (["--seq-len", str(args.seq_len)] if args.seq_len else []))
     fr_mod.write_csv(fr, paths["csv"])
-    fr_mod.write_markdown(fr, paths["md"], command)
-    fr_mod.plot(fr, paths["png"])
+    fr_mod.write_markdown(fr, paths["md"], command, units)
+    fr_mod.plot(fr, paths["png"], units)
     if args.json:
         print(json.dumps({**fr.to_dict(), "files": paths}, indent=1))
     else:
-        _print_frontier(fr)
-        Console().print(f"wrote {paths['csv']}, {paths['png']}, {paths['md']}")
+        _print_frontier(fr, units)
+        print(f"wrote {paths['csv']}, {paths['png']}, {paths['md']}")
     return 0
 
 
-def _print_frontier(fr) -> None:
-    from rich.console import Console
+def _print_frontier(fr, units) -> None:
     from rich.table import Table
 
-    from .budget import format_bytes_short as fb
-    console = Console()
+    fb = units.format
+    console = _console()
     pct = lambda x: "-" if x is None else f"{100 * x:.2f}%"
-    t = Table(title=f"frontier of {fr.config} (XLA peak, overhead by XLA FLOPs)")
-    for col in ("point", "budget", "XLA peak", "overhead", "frontier"):
-        t.add_column(col, justify="left" if col == "point" else "right")
+    t = Table(title=f"frontier of {fr.config} (XLA peak, overhead by XLA FLOPs; "
+                    f"{units.example})")
+    _cols(t, "point", "budget", "XLA peak", "overhead", "frontier", left=("point",))
     for p in sorted(fr.points, key=lambda p: p.budget_bytes or 0):
         t.add_row(p.label, fb(p.budget_bytes),
                   fb(p.peak_bytes) if p.feasible else "infeasible", pct(p.overhead),
                   ("knee" if p.knee else "yes") if p.on_frontier else "")
     console.print(t)
     c = Table(title="planner with the budget at each built-in policy's XLA peak")
-    for col in ("built-in", "its peak", "its overhead", "planner peak", "planner overhead",
-                "recompute vs policy"):
-        c.add_column(col, justify="left" if col == "built-in" else "right",
-                     no_wrap=col == "built-in")
+    _cols(c, "built-in", "its peak", "its overhead", "planner peak", "planner overhead",
+          "recompute vs policy", left=("built-in",))
     for cmp_ in fr.comparisons:
         rel = cmp_.relative_recompute
         c.add_row(cmp_.builtin.label, fb(cmp_.builtin.peak_bytes), pct(cmp_.builtin.overhead),
@@ -646,7 +886,7 @@ def _max_batch(args) -> int:
                                                           seq_len=args.seq_len))
         return workloads[batch]
 
-    err = Console(stderr=True)
+    err = _console(stderr=True)
     names = () if args.no_compare else baselines.NAMES
     with _progress_bar(err, err.is_terminal and not args.json, 1 + len(names)) as (step, say):
         result = max_batch(make_workload, optimizer, budget, cfg.batch_size, say=say, step=step,
@@ -654,7 +894,7 @@ def _max_batch(args) -> int:
     best = result.planner.best
     if args.out and best is not None and best.plan is not None:
         with open(args.out, "w") as f:
-            f.write(best.plan.to_json())
+            f.write(_with_units(best.plan, args.units).to_json())
     report = {"config": str(cfg.type), "model": {k: v for k, v in make_workload(
         result.planner.batch).info.items()}, **result.to_dict()}
     if args.json:
@@ -662,11 +902,10 @@ def _max_batch(args) -> int:
         return 0
     from rich.table import Table
 
-    from .budget import format_bytes_short as fb
-    console = Console()
+    fb = args.units.format
+    console = _console()
     t = Table(title=f"largest batch size within {fb(budget)} ({budget:,} bytes), XLA-verified")
-    for col in ("step", "batch size", "XLA peak", "recompute overhead", "probes"):
-        t.add_column(col, justify="left" if col == "step" else "right", no_wrap=col == "step")
+    _cols(t, "step", "batch size", "XLA peak", "recompute overhead", "probes", left=("step",))
     rows = {"remat-planner": result.planner, **result.builtins}
     for name, srch in rows.items():
         b = srch.best

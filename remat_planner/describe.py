@@ -81,6 +81,7 @@ def stage_label(name: str, program=None, is_last: bool = False) -> str:
         return ("loss and other code outside any module" if is_last
                 else "code outside any module") + f" (equations {lo}-{hi - 1})"
     what = _computes([e.name for e in program.eqns[lo:hi]])
+    is_last = is_last or hi == len(program.eqns)
     return f"loss ({what})" if is_last else f"code outside any module: {what}"
 
 
@@ -208,7 +209,7 @@ def segment_rows(plan: Plan, analysis=None) -> list[Row]:
             else:
                 keeps = keep_words(s.option, subs)
                 if s.saved and s.option not in (STORE, NOTHING):
-                    keeps += f" [{len(s.saved)} values tagged]"
+                    keeps += f" ({len(s.saved)} tensors)"
                 if chain is not None:
                     option = chain.leaf_profile(s.start, s.stop).option(s.option)
                     kept, flops = option.keep_bytes, option.recompute_flops
@@ -245,13 +246,14 @@ def _table(header: Sequence[str], body: Sequence[Sequence[str]], right: Sequence
             *(x for r in cells for x in lines(r))]
 
 
-def summary(plan: Plan, analysis=None, units: Units | None = None) -> str:
+def summary(plan: Plan, analysis=None, units: Units | None = None, figures: bool = True) -> str:
     """`plan` as a table a person can read, then every figure with its meaning.
 
     Per segment: the modules it covers (nesting as indentation), what it keeps in words
     and, with the `analysis` the plan was made on, the bytes it keeps and the FLOPs its
     backward recomputes (and their share of the step). `units`: the budget's unit family
-    (budget.units_of); by default budget.DEFAULT_UNITS (decimal).
+    (budget.units_of); by default budget.DEFAULT_UNITS (decimal). `figures`: also list
+    the plan's totals (budget, peaks, recompute), each with its meaning.
     """
     units = units or DEFAULT_UNITS
     fb = units.format
@@ -279,17 +281,19 @@ def summary(plan: Plan, analysis=None, units: Units | None = None) -> str:
                       [False, False, True, True, True], {1: 64})
     if not n_ckpt:
         out.append("no remat needed: every segment keeps everything, nothing is recomputed")
-    out.append("")
-    out.append("what the figures mean:")
-    if analysis is not None:
-        out.append("  kept        bytes the segment holds from its forward until its backward "
-                   "(memory model)")
-        out.append("  recomputes  forward work its backward redoes (nested segments included), "
-                   "and its share of the step's FLOPs")
-    else:
-        out.append("  (per-segment bytes and FLOPs: plan.summary(analysis) with the "
+    if analysis is None:
+        out.append("  (per-segment bytes and FLOPs: plan.summary(analysis), with the "
                    "rp.analyze(...) result the plan was made on)")
-    figures = [
+    else:
+        out.append("  kept: bytes the segment holds from its forward until its backward "
+                   "(memory model)")
+        out.append("  recomputes: forward work its backward redoes (nested segments "
+                   "included), and its share of the step's FLOPs")
+    if not figures:
+        return "\n".join(out)
+    out.append("")
+    out.append("the plan's figures:")
+    items = [
         ("budget", fb(plan.budget_bytes),
          "memory for the whole training step: params, grads, optimizer state, batch, "
          "activations"),
@@ -306,10 +310,10 @@ def summary(plan: Plan, analysis=None, units: Units | None = None) -> str:
     ]
     time_over = plan.recompute_time_overhead
     if plan.metadata.get("cost_model") == "time" and time_over is not None:
-        figures.append(("recompute time", f"{100 * time_over:.1f}%",
+        items.append(("recompute time", f"{100 * time_over:.1f}%",
                         "predicted extra step time (roofline: FLOPs and bytes moved per "
                         "recomputed equation); what this plan minimised"))
-    w0 = max(len(f[0]) for f in figures)
-    w1 = max(len(f[1]) for f in figures)
-    out += [f"  {a.ljust(w0)}  {b.rjust(w1)}  {c}" for a, b, c in figures]
+    w0 = max(len(f[0]) for f in items)
+    w1 = max(len(f[1]) for f in items)
+    out += [f"  {a.ljust(w0)}  {b.rjust(w1)}  {c}" for a, b, c in items]
     return "\n".join(out)

@@ -62,6 +62,12 @@ class InfeasibleBudgetError(RematPlannerError):
                                      units)
 
 
+class PlanOverBudgetError(RematPlannerError):
+    """A saved plan (`--plan FILE`) whose XLA peak is above the budget it is held to."""
+
+    exit_code = 3
+
+
 class PlanMismatchError(RematPlannerError):
     """A saved plan does not match the model that was traced."""
 
