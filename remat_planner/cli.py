@@ -579,8 +579,9 @@ def _print_report(report: dict, plan, an, units, plan_file: str | None = None) -
     console.print(mem)
     no_remat_peak = nr["measured_peak_bytes"] or report["no_remat"].get("predicted_peak_bytes")
     if no_remat_peak and report["budget_bytes"] >= no_remat_peak:
-        console.print(f"no remat needed: the step without remat peaks at {fb(no_remat_peak)}, "
-                      f"within the budget {fb(report['budget_bytes'])}", markup=False,
+        by = "XLA" if nr["measured_peak_bytes"] else "memory model"
+        console.print(f"no remat needed: the step without remat peaks at {fb(no_remat_peak)} "
+                      f"({by}), within the budget {fb(report['budget_bytes'])}", markup=False,
                       highlight=False)
     if plan_file:
         saved = plan.metadata.get("saved_budget_bytes")
@@ -656,6 +657,8 @@ def _explain(args) -> int:
             print(f"plan loaded from {args.plan}")
         if args.out:
             print(f"wrote {args.out}/explain.json and {args.out}/memory.png")
+    if args.saved_plan is not None and plan.fits() is False:
+        raise _over_budget(args, plan, "")
     return 0
 
 

@@ -113,7 +113,7 @@ def _iteration_words(plan: str, names: Sequence[str]) -> str:
     """One layer's plan over its sub-stages (`dots|dots_no_batch`, `(nothing|store)`,
     `[dots]`) in words."""
     if plan.startswith("[") and plan.endswith("]"):
-        return f"the whole layer one checkpoint that {SHORT_WORDS.get(plan[1:-1], plan[1:-1])}"
+        return f"each layer is one checkpoint that {SHORT_WORDS.get(plan[1:-1], plan[1:-1])}"
     texts, pos = [], 0
     for part in _split_top(plan, "|"):
         if part.startswith("(") and part.endswith(")"):
