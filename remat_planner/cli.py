@@ -1,8 +1,9 @@
 """`remat-plan`: plan, verify and train from a YAML config. A thin layer over the API.
 
 Exit codes: 0 ok; 2 bad input (missing file, bad YAML, unknown model or field, bad
-budget, unwritable --out, --points below 12); 3 budget infeasible (the message states
-the smallest feasible budget; with --max-batch, infeasible even at batch size 1);
+budget, a --plan file for another step, unwritable --out, --points below 12); 3 budget
+infeasible (the message states the smallest feasible budget; with --max-batch,
+infeasible even at batch size 1; with --plan, the saved plan's XLA peak is above it);
 1 unexpected internal error.
 """
 
@@ -22,7 +23,8 @@ EXIT_CODES = """exit codes:
      wrong field type, unparseable or non-positive budget, plan file mismatch,
      unwritable --out, frontier --points below 12
   3  budget infeasible: below the smallest feasible plan (the message states it);
-     --max-batch: no plan fits even at batch size 1
+     --max-batch: no plan fits even at batch size 1; --plan: the saved plan's XLA
+     peak is above the budget
   1  unexpected internal error (please report it)"""
 
 
