@@ -325,3 +325,52 @@ def test_model_table_reads_booleans_and_says_no_remat_needed(capsys):
     assert "no remat needed" in out
     code, out, err = run(capsys, TINY, "--budget", "20MB", "--no-verify", "--no-compare")
     assert "no remat needed" not in out
+
+
+# ------------------------------------------------------------------------------------------
+# 1. frontier.md and frontier.png in one family (formatting of a small hand-made frontier)
+# ------------------------------------------------------------------------------------------
+
+def _small_frontier():
+    from remat_planner import frontier as fr_mod
+    flops = 1e9
+    noremat = fr_mod.Point("builtin", "no_remat", None, 28_770_000, flops, flops)
+    sweep = [fr_mod.Point("planner", f"sweep {i + 1}/3", b, peak, flops * (1 + o), flops)
+             for i, (b, peak, o) in enumerate([(16_000_000, 15_900_000, 0.12),
+                                               (18_000_000, 17_900_000, 0.02),
+                                               (28_770_000, 27_000_000, 0.0)])]
+    fr_mod.mark_frontier(sweep)
+    builtin = fr_mod.Point("builtin", "dots_with_no_batch_dims_saveable", None, 17_970_000,
+                           flops * 1.032, flops, plan="per block")
+    planner = fr_mod.Point("planner", "at dots_with_no_batch_dims_saveable peak", 17_970_000,
+                           17_500_000, flops * 1.02, flops)
+    return fr_mod.Frontier("configs/gpt2-tiny.yaml", {"n_layer": 4}, noremat, sweep + [planner],
+                           [noremat, builtin], [fr_mod.Comparison(builtin, planner)], 1.0, 1.0)
+
+
+@pytest.mark.parametrize(("units", "unit"), [(Units.DECIMAL, "MB"), (Units.BINARY, "MiB")])
+def test_frontier_md_and_png_axis_share_the_family(monkeypatch, tmp_path, capsys, units, unit):
+    import matplotlib.pyplot as plt
+
+    from remat_planner import frontier as fr_mod
+    from remat_planner.cli import _print_frontier
+    fr = _small_frontier()
+    md = fr_mod.markdown(fr, "remat-plan frontier ...", units)
+    other = "MiB" if unit == "MB" else " MB"
+    assert f" {unit}" in md and other not in md
+    knee = fr.knee
+    assert knee is not None
+    shown = units.format(knee.peak_bytes)
+    assert f"XLA peak {shown}" in md
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig))
+    fr_mod.plot(fr, str(tmp_path / "frontier.png"), units)
+    (fig,) = figures
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == f"XLA peak of the training step ({unit})"
+    star = [l for l in ax.get_lines() if l.get_marker() == "*"]
+    assert star and f"{star[0].get_xdata()[0]:.2f} {unit}" == shown  # the knee sits where the .md says
+    _print_frontier(fr, units)
+    out = capsys.readouterr().out
+    assert f" {unit}" in out and other not in out and "…" not in out
+    assert "dots_with_no_batch_dims_saveable" in out
