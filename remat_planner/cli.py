@@ -355,11 +355,17 @@ def _verify_saved(plan, wl, optimizer, budget: int, spec, verify: bool = True):
     return dataclasses.replace(plan, measured_peak_bytes=m.peak_bytes, measured_flops=m.flops)
 
 
-def _with_units(plan, units):
+def _with_units(plan, units, an=None):
     """The plan with the budget's unit family in its metadata, so a later --plan shows
-    sizes in the same family."""
+    sizes in the same family, and (given the analysis) the roles of a scanned layer's
+    sub-stages, so that print(plan) names them without the analysis."""
     import dataclasses
-    return dataclasses.replace(plan, metadata={**plan.metadata, "units": units.value})
+
+    from .describe import _sub_stages
+    extra = {"units": units.value}
+    if an is not None and _sub_stages(an):
+        extra["scan_sub_stages"] = _sub_stages(an)
+    return dataclasses.replace(plan, metadata={**plan.metadata, **extra})
 
 
 def _progress(console, enabled: bool):
@@ -432,7 +438,7 @@ def _plan(args) -> int:
     seconds = time.perf_counter() - t0
     if args.out:
         with open(args.out, "w") as f:
-            f.write(_with_units(plan, args.units).to_json())
+            f.write(_with_units(plan, args.units, an).to_json())
     report = _report(cfg, wl, an, plan, baselines, seconds)
     if args.json:
         print(json.dumps(report, indent=1))

@@ -187,7 +187,7 @@ def segment_rows(plan: Plan, analysis=None) -> list[Row]:
     chain = None
     if analysis is not None:
         chain = analysis.chain_for(plan.segments, chain=analysis.chain)
-    subs = _sub_stages(analysis)
+    subs = _sub_stages(analysis) or list(plan.metadata.get("scan_sub_stages", ()))
     n = len(plan.stages)
 
     def label(i: int) -> str:

@@ -374,3 +374,18 @@ def test_frontier_md_and_png_axis_share_the_family(monkeypatch, tmp_path, capsys
     out = capsys.readouterr().out
     assert f" {unit}" in out and other not in out and "…" not in out
     assert "dots_with_no_batch_dims_saveable" in out
+
+
+def test_saved_scan_plan_prints_its_layers_in_words(capsys, tmp_path):
+    config = tmp_path / "gpt2-tiny-scan.yaml"
+    config.write_text(GOOD.replace("scan_layers: false", "scan_layers: true"))
+    path = tmp_path / "scan.plan.json"
+    code, out, err = run(capsys, config, "--budget", "20MB", "--no-verify", "--no-compare",
+                         "--out", path)
+    assert code == 0, err
+    plan = rp.Plan.from_json(path.read_text())
+    (scheme,) = [s.option for s in plan.segments if s.option.startswith("scan:")]
+    text = str(plan)
+    assert scheme not in text and "4 layers" in text
+    assert "attention keeps" in text and "MLP keeps" in text, text
+    assert "4 layers" in out and "attention keeps" in out
