@@ -716,10 +716,19 @@ def _print_explanation(ex, an, plan, units) -> None:
     console.print(tree, markup=False)
     measured = fb(ex.measured_peak_bytes) if ex.measured_peak_bytes else "not verified"
     share = 100 * ex.recompute_flops / ex.step_flops if ex.step_flops else 0.0
-    console.print(f"kept tensors {fb(ex.saved_bytes)}; predicted peak {fb(ex.predicted_peak_bytes)}"
-                  f", XLA peak {measured}, budget {fb(ex.budget_bytes)}; recompute "
-                  f"{format_flops(ex.recompute_flops)}, {share:.2f}% of the step's FLOPs",
-                  markup=False, highlight=False)
+    rows = [("kept tensors", fb(ex.saved_bytes),
+             "every tensor in the tables above: what the segments hold for the backward"),
+            ("predicted peak", fb(ex.predicted_peak_bytes),
+             "the memory model's peak of the planned step"),
+            ("XLA peak", measured, "XLA's buffer assignment of the compiled planned step: "
+                                   "the figure that proves the fit"),
+            ("budget", fb(ex.budget_bytes), "memory for the whole training step"),
+            ("recompute", f"{format_flops(ex.recompute_flops)} = {share:.2f}%",
+             "extra FLOPs spent recomputing, as a share of the step's (cost model)")]
+    w0, w1 = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
+    for a, b, c in rows:
+        console.print(f"{a.ljust(w0)}  {b.rjust(w1)}  {c}", markup=False, highlight=False,
+                      soft_wrap=True)
     if ex.noremat_measured_peak_bytes and ex.budget_bytes >= ex.noremat_measured_peak_bytes:
         console.print(f"no remat needed: the step without remat peaks at "
                       f"{fb(ex.noremat_measured_peak_bytes)} (XLA), within the budget",
