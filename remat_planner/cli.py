@@ -676,18 +676,14 @@ def _print_explanation(ex, an, plan, units) -> None:
     from rich.tree import Tree
 
     from .budget import format_flops
-    from .describe import keep_words, stage_label, _sub_stages
+    from .describe import _sub_stages, keep_words, segment_name, stage_label
     fb = units.format
     console = _console()
-    n = len(plan.stages)
     subs = _sub_stages(an)
     tree = Tree(Text(f"plan (sizes in {units.example})"))
 
     def name_of(s) -> str:
-        first = stage_label(plan.stages[s.start].name, an.program, s.start == n - 1)
-        if s.stop - s.start == 1:
-            return first
-        return f"{first} to {stage_label(plan.stages[s.stop - 1].name, an.program, s.stop == n)}"
+        return segment_name(plan, s.start, s.stop, an.program)
 
     def walk(node, segs):
         for s in segs:

@@ -160,6 +160,26 @@ def scan_words(option: str, sub_stages: Sequence[str] = ()) -> str:
     return "; then ".join(texts)
 
 
+def segment_name(plan: Plan, a: int, b: int, program=None) -> str:
+    """The modules stages [a, b) of `plan` cover: one stage by its label (stage_label);
+    stages of one module named once, `Llama/layers_2 (attn_norm, attn, mlp_norm, mlp)`;
+    otherwise `first to last (k stages)`."""
+    n = len(plan.stages)
+
+    def label(i: int) -> str:
+        return stage_label(plan.stages[i].name, program, is_last=i == n - 1)
+
+    if b - a == 1:
+        return label(a)
+    parts = [re.match(r"^(.*?)(?:\[(.*)\])?$", plan.stages[i].name) for i in range(a, b)]
+    heads = {m.group(1) for m in parts}
+    if len(heads) == 1 and not _UNNAMED.match(plan.stages[a].name) and all(
+            m.group(2) for m in parts):
+        tails = dict.fromkeys(t for m in parts for t in m.group(2).split(","))
+        return f"{heads.pop()} ({', '.join(tails)})"
+    return f"{label(a)} to {label(b - 1)} ({b - a} stages)"
+
+
 # ---------------------------------------------------------------------------------------
 # The plan as a table
 # ---------------------------------------------------------------------------------------
@@ -188,17 +208,12 @@ def segment_rows(plan: Plan, analysis=None) -> list[Row]:
     if analysis is not None:
         chain = analysis.chain_for(plan.segments, chain=analysis.chain)
     subs = _sub_stages(analysis) or list(plan.metadata.get("scan_sub_stages", ()))
-    n = len(plan.stages)
-
-    def label(i: int) -> str:
-        return stage_label(plan.stages[i].name, program, is_last=i == n - 1)
 
     rows: list[Row] = []
 
     def walk(segs: Sequence[Segment], depth: int) -> None:
         for s in segs:
-            where = label(s.start) if s.stop - s.start == 1 else \
-                f"{label(s.start)} to {label(s.stop - 1)} ({s.stop - s.start} stages)"
+            where = segment_name(plan, s.start, s.stop, program)
             kept = flops = None
             if s.children:
                 keeps = "only its inputs: one checkpoint around the segments below"
