@@ -58,7 +58,8 @@ def _dims(params: dict):
 def signature(prim_name: str, operand_avals: Sequence, params: dict) -> Signature:
     """What a policy predicate can see of an equation: primitive, operand shapes and
     dtypes, dimension numbers."""
-    ops = tuple((tuple(int(d) for d in a.shape), str(a.dtype)) for a in operand_avals)
+    ops = tuple((tuple(int(d) for d in getattr(a, "shape", ())), str(getattr(a, "dtype", "")))
+                for a in operand_avals)
     return (prim_name, ops, _dims(params))
 
 
@@ -76,7 +77,7 @@ class PrimitivePolicy:
     builtin: str | None = None
 
     def __call__(self, prim, *avals, **params) -> bool:
-        if not self.keep:
+        if not any(k[0] == prim.name for k in self.keep):
             return False
         return signature(prim.name, avals, params) in self.keep
 
@@ -98,6 +99,8 @@ class PrimitivePolicy:
         same = f"  # same values as {self.builtin} here" if self.builtin else ""
         return (f"_{name.upper()}_KEEP = {{\n{rows},\n}}\n\n\n"
                 f"def {name}(prim, *avals, **params):{same}\n"
+                f"    if prim.name not in {sorted({k[0] for k in self.keep})!r}:\n"
+                "        return False\n"
                 "    ops = tuple((tuple(int(d) for d in a.shape), str(a.dtype)) for a in avals)\n"
                 "    dims = params.get('dimension_numbers')\n"
                 f"    return (prim.name, ops, None if dims is None else repr(dims)) in _{name.upper()}_KEEP\n")
