@@ -68,14 +68,21 @@ def _computes(names: Sequence[str]) -> str:
     return ", ".join(ops[:4]) + (" ..." if len(ops) > 4 else "")
 
 
-def stage_label(name: str, program=None, is_last: bool = False) -> str:
+def stage_label(name: str, program=None, is_last: bool = False,
+                span: tuple[int, int] | None = None) -> str:
     """A stage's name for people. Module paths read as `GPT2/h_0 (ln_1, attn)`; code
     outside any Flax module (named `eqns[a:b]` by the planner) is named by what it
     computes, given the traced program: the last stage, which returns the scalar, is
     `loss (softmax cross-entropy)`, others `code outside any module: reduce_sum, log`."""
     m = _UNNAMED.match(name)
     if m is None:
-        return pretty_stage_name(name)
+        label = pretty_stage_name(name)
+        if program is not None and span is not None and span[1] == len(program.eqns):
+            # the last stage: its code outside any module is the loss
+            tail = [e.name for e in program.eqns[span[0]:span[1]] if not e.module_path.strip("/")]
+            if tail:
+                label += f" + loss ({_computes(tail)})"
+        return label
     lo, hi = int(m.group(1)), int(m.group(2))
     if program is None:
         return ("loss and other code outside any module" if is_last
@@ -167,7 +174,8 @@ def segment_name(plan: Plan, a: int, b: int, program=None) -> str:
     n = len(plan.stages)
 
     def label(i: int) -> str:
-        return stage_label(plan.stages[i].name, program, is_last=i == n - 1)
+        st = plan.stages[i]
+        return stage_label(st.name, program, is_last=i == n - 1, span=(st.start, st.stop))
 
     if b - a == 1:
         return label(a)
