@@ -707,6 +707,11 @@ def _print_explanation(ex, an, plan, units) -> None:
 
     tables = []
     walk(tree, ex.segments)
+    console.print("per segment, each tensor it keeps for its backward. kept: 'input' = an "
+                  "array the segment receives, kept as its checkpoint's input; 'value kept by "
+                  "the checkpoint policy' = an output kept instead of recomputed; 'residual' = "
+                  "what JAX's autodiff keeps for a segment without checkpoint", markup=False,
+                  highlight=False)
     for t in tables:
         console.print(t, markup=False)
     console.print(tree, markup=False)
