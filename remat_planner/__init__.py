@@ -12,6 +12,7 @@ Pipeline, one module per stage: trace -> graph -> memory -> solve -> apply -> ve
 from .budget import format_bytes, parse_budget
 from .errors import (BudgetError, ConfigError, InfeasibleBudgetError, PlanMismatchError,
                      RematPlannerError, UnsupportedModelError)
+from .export import FlaxExport, PrimitivePolicy, export_flax, module_plan
 from .plan import Plan, Segment
 from .policies import dots_narrow_saveable
 from .planner import Analysis, analyze, measure_builtin_policies, plan
@@ -21,7 +22,8 @@ from .verify import Measurement, measure, train_step
 __version__ = "0.1.0"
 
 __all__ = [
-    "Analysis", "BudgetError", "ConfigError", "InfeasibleBudgetError", "Measurement", "Plan",
+    "Analysis", "BudgetError", "ConfigError", "FlaxExport", "InfeasibleBudgetError",
+    "Measurement", "Plan", "PrimitivePolicy", "export_flax", "module_plan",
     "PlanMismatchError", "RematPlannerError", "Segment", "ShardingSpec", "UnsupportedModelError",
     "analyze", "dots_narrow_saveable", "format_bytes", "measure", "measure_builtin_policies", "parse_budget", "plan",
     "shard_arrays", "train_step",
