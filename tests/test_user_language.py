@@ -389,3 +389,22 @@ def test_saved_scan_plan_prints_its_layers_in_words(capsys, tmp_path):
     assert scheme not in text and "4 layers" in text
     assert "attention keeps" in text and "MLP keeps" in text, text
     assert "4 layers" in out and "attention keeps" in out
+
+
+def test_time_prediction_shown_only_under_the_time_cost_model(capsys):
+    code, out, err = run(capsys, TINY, "--budget", "20MB", *SMALL, "--no-verify", "--no-compare")
+    assert code == 0, err
+    assert "recompute time" not in out and "plan: recompute overhead" in out
+    code, out, err = run(capsys, TINY, "--budget", "20MB", *SMALL, "--no-verify", "--no-compare",
+                         "--cost-model", "time")
+    assert code == 0, err
+    line = next(l for l in out.splitlines() if "plan: recompute time" in l)
+    assert "predicted" in line and "roofline" in line  # shown with what it means
+
+
+def test_explain_speaks_in_flops_units_and_names(capsys):
+    code, out, err = run(capsys, "explain", TINY, "--budget", "12MiB", *SMALL, "--no-verify")
+    assert code == 0, err
+    assert "0.0 GFLOP" not in out and "eqns[" not in out and "named value" not in out
+    assert re.search(r"recomputes \d+\.\d\d [kM]FLOP \(\d+\.\d\d% of the step\)", out), out
+    assert "loss (softmax cross-entropy)" in out and "MiB" in out and " MB" not in out
