@@ -408,3 +408,13 @@ def test_explain_speaks_in_flops_units_and_names(capsys):
     assert "0.0 GFLOP" not in out and "eqns[" not in out and "named value" not in out
     assert re.search(r"recomputes \d+\.\d\d [kM]FLOP \(\d+\.\d\d% of the step\)", out), out
     assert "loss (softmax cross-entropy)" in out and "MiB" in out and " MB" not in out
+
+
+def test_infeasible_budget_names_sizes_in_the_budgets_family(capsys):
+    code, out, err = run(capsys, TINY, "--budget", "11MiB", *SMALL, "--no-verify")
+    assert code == 3 and out == ""
+    line = _one_line(err)
+    assert "budget 11.00 MiB is below the smallest feasible plan" in line
+    suggested = re.search(r"raise --budget to at least ([0-9.]+ MiB)$", line)
+    assert suggested and " GB" not in line and " MB" not in line, line
+    assert parse_budget(suggested.group(1).replace(" ", "")) > parse_budget("11MiB")
