@@ -65,6 +65,8 @@ def _computes(names: Sequence[str]) -> str:
             has("reduce_sum") and not has("log") and not has("exp"):
         return "mean squared error"
     ops = [p for p, _ in counts.most_common() if p not in _PLUMBING] or list(counts)
+    if has("reduce_sum") and has("div") and set(ops) <= {"reduce_sum", "div", "mul", "add"}:
+        return "mean"
     return ", ".join(ops[:4]) + (" ..." if len(ops) > 4 else "")
 
 
@@ -90,6 +92,20 @@ def stage_label(name: str, program=None, is_last: bool = False,
     what = _computes([e.name for e in program.eqns[lo:hi]])
     is_last = is_last or hi == len(program.eqns)
     return f"loss ({what})" if is_last else f"code outside any module: {what}"
+
+
+def _unnamed_span(plan: Plan, a: int, b: int, program) -> str:
+    """Stages [a, b) that are all code outside any module, named by what they compute."""
+    lo, hi = plan.stages[a].start, plan.stages[b - 1].stop
+    where = f"stage {a}" if b - a == 1 else f"stages {a}-{b - 1}"
+    if program is None:
+        last = b == len(plan.stages)
+        return ("loss and other code outside any module" if last
+                else "code outside any module") + f" ({where})"
+    what = _computes([e.name for e in program.eqns[lo:hi]])
+    if hi == len(program.eqns):
+        return f"loss ({what})" + ("" if b - a == 1 else f" ({where})")
+    return f"code outside any module ({where}): {what}"
 
 
 def _split_top(text: str, sep: str) -> list[str]:
@@ -177,6 +193,8 @@ def segment_name(plan: Plan, a: int, b: int, program=None) -> str:
         st = plan.stages[i]
         return stage_label(st.name, program, is_last=i == n - 1, span=(st.start, st.stop))
 
+    if all(_UNNAMED.match(plan.stages[i].name) for i in range(a, b)):
+        return _unnamed_span(plan, a, b, program)
     if b - a == 1:
         return label(a)
     parts = [re.match(r"^(.*?)(?:\[(.*)\])?$", plan.stages[i].name) for i in range(a, b)]
@@ -232,7 +250,7 @@ def segment_rows(plan: Plan, analysis=None) -> list[Row]:
             else:
                 keeps = keep_words(s.option, subs)
                 if s.saved and s.option not in (STORE, NOTHING):
-                    keeps += f" ({len(s.saved)} tensors)"
+                    keeps += f" ({len(s.saved)} tensor{'s' if len(s.saved) > 1 else ''})"
                 if chain is not None:
                     option = chain.leaf_profile(s.start, s.stop).option(s.option)
                     kept, flops = option.keep_bytes, option.recompute_flops

@@ -418,3 +418,24 @@ def test_infeasible_budget_names_sizes_in_the_budgets_family(capsys):
     suggested = re.search(r"raise --budget to at least ([0-9.]+ MiB)$", line)
     assert suggested and " GB" not in line and " MB" not in line, line
     assert parse_budget(suggested.group(1).replace(" ", "")) > parse_budget("11MiB")
+
+
+def test_plain_jax_code_is_named_by_what_it_computes():
+    import jax
+    import jax.numpy as jnp
+
+    def loss(p, x, y):
+        h = x
+        for w in p:
+            h = jnp.tanh(h @ w)
+        return jnp.mean((h - y) ** 2)
+
+    params = [jax.ShapeDtypeStruct((64, 64), jnp.float32) for _ in range(4)]
+    x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+    an = pl.analyze(loss, params, (x, x), None, measure_xla=False, calibrate=False)
+    plan = rp.plan(loss, params, (x, x), (an.min_feasible_budget() + an.noremat_predicted_peak)
+                   // 2, None, verify=False, analysis=an)
+    text = plan.summary(an)
+    assert "eqns[" not in text
+    assert "code outside any module (stage 0): dot_general, tanh" in text, text
+    assert re.search(r"^loss \((mean|mean squared error)\)", text, re.M), text
