@@ -336,3 +336,23 @@ def test_the_example_plans_whole_blocks_and_its_hand_written_form_matches():
     assert all(w.class_name == "ResidualBlock" for w in exported.wraps)
     assert _close(hand.peak_bytes, plan.measured_peak_bytes)
     assert _close(hand.flops, plan.measured_flops)
+
+
+def test_mixed_rules_per_block_on_an_hf_style_bert_equal_the_replay():
+    """bert_encoder (tests/corpus.py: HF-style module tree, stock
+    nn.MultiHeadDotProductAttention): at 80% of the no-remat peak the whole-module plan
+    keeps different values in different layers (attention's probs @ values in some, every
+    dot in others), each layer's policy told apart by shapes alone, and the model's own
+    nn.remat(BertLayer, policy=...) compiles to the replay's figures."""
+    m = corpus.get("bert_encoder")
+    an = rp.analyze(m.loss_fn, m.params, m.batch, m.optimizer, has_aux=m.has_aux)
+    plan = module_plan(m.loss_fn, m.params, m.batch, int(0.8 * an.noremat.peak_bytes),
+                       m.optimizer, analysis=an)
+    exported = plan.to_flax(an, m.loss_fn, m.params, m.batch)
+    assert exported.exact
+    assert {w.class_name for w in exported.wraps} == {"BertLayer"}
+    policies = tuple(exported.policy_for(f"encoder/layer/{i}") for i in range(m.n_blocks))
+    assert len({p for p in policies if p is not None}) >= 2, "expected different rules per layer"
+    hand = rp.measure(m.make_remat_loss(policies), m.params, m.batch, m.optimizer, m.has_aux)
+    assert _close(hand.peak_bytes, plan.measured_peak_bytes), (hand, plan.measured_peak_bytes)
+    assert _close(hand.flops, plan.measured_flops), (hand, plan.measured_flops)
