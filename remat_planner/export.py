@@ -18,10 +18,12 @@ What cannot be exported is said, never approximated:
   (`Block_0[LayerNorm_1,Dense_0,Dense_1]`): `nn.remat` wraps one module, and wrapping
   the pieces one by one keeps their boundaries too, so it is another plan;
 - a kept value whose primitive and shapes match a value of the same module the plan
-  recomputes: a predicate sees primitive, shapes and parameters, not positions (JAX may
-  call it more than once per equation, e.g. inside jitted `jnp.einsum`), so it cannot
-  tell the two apart;
-- a layer-stack scan scheme (`scan:...`) other than one rule for every iteration.
+  recomputes: a predicate is called with primitive, operand avals and parameters, never
+  a position, and JAX reuses its answers for identical jitted sub-computations (the
+  partial evaluation of `jnp.einsum`'s jit is cached), so counting calls cannot stand in
+  for positions either;
+- a layer-stack scan scheme (`scan:...`): write it with `nn.scan` as `explain` describes;
+- equations without a Flax module path (plain JAX; flax.nnx records none).
 """
 
 from __future__ import annotations
@@ -279,7 +281,8 @@ def _eqn_signature(program: Program, eqn) -> Signature:
     return signature(eqn.name, _operand_avals(program, eqn), eqn.params)
 
 
-def _leaf_policy(program: Program, lo: int, hi: int, seg: Segment) -> tuple[PrimitivePolicy | None, str | None]:
+def _leaf_policy(program: Program, lo: int, hi: int,
+                 seg: Segment) -> tuple[PrimitivePolicy | None, str | None]:
     """The policy keeping `seg.saved` among equations [lo, hi), or (None, why not)."""
     saved = set(seg.saved)
     keep, other = set(), set()
@@ -298,7 +301,8 @@ def _leaf_policy(program: Program, lo: int, hi: int, seg: Segment) -> tuple[Prim
         shapes = " x ".join(f"{dt}{list(s)}" for s, dt in ops)
         return None, (f"it keeps some {name}({shapes}) outputs and recomputes others with the "
                       "same shapes, which a policy predicate cannot tell apart")
-    builtin = BUILTIN.get(seg.option) if not set(seg.saved) ^ set(_rule_outputs(program, lo, hi, seg.option)) else None
+    same_as_rule = set(seg.saved) == set(_rule_outputs(program, lo, hi, seg.option))
+    builtin = BUILTIN.get(seg.option) if same_as_rule else None
     return PrimitivePolicy(frozenset(keep), builtin), None
 
 
