@@ -455,7 +455,8 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
         if key not in cache:
             if progress:
                 progress(f"profiling block of stages {a + 1}-{c}/{len(cost.stages)}")
-            cache[key] = _profile_one(program, lo, hi, ins, outs, free, wrt, measure_xla, pinned)
+            cache[key] = _profile_one(program, lo, hi, ins, outs, free, wrt, measure_xla, pinned,
+                                      forward_alone=True)
         opts_local, wf, wb, local_names = cache[key]
         mapping = _value_mapping(program, local_names, lo, hi)
         options = tuple(dataclasses.replace(o, saved=tuple(mapping[v] for v in o.saved))
@@ -561,7 +562,8 @@ def _value_mapping(program: Program, ref, start: int, stop: int) -> dict[int, in
     return mapping
 
 
-def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned=frozenset()):
+def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned=frozenset(),
+                 forward_alone=False):
     fn_outs = [v for v in outs if _is_float(program.avals[v])]
     in_avals = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype) for v in ins]
     ct_avals = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype)
@@ -610,7 +612,7 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned
                                   recompute_bytes=float(rc[1])))
     wf = wb = 0
     if measure_xla and fn_outs:
-        wf, wb = _xla_workspace(base, in_avals, ct_avals, wrt)
+        wf, wb = _xla_workspace(base, in_avals, ct_avals, wrt, forward_alone)
     return tuple(options), wf, wb, (start, stop)
 
 
@@ -674,19 +676,25 @@ def vjp_wrt(f, args, wrt):
     return jax.vjp(partial, *[args[i] for i in wrt])
 
 
-def _xla_workspace(f, in_avals, ct_avals, wrt) -> tuple[int, int]:
-    """XLA temp bytes of the stage's forward+backward compiled together, where XLA's
-    fusion decides what is really kept. It also bounds the stage's forward alone (the
-    forward is part of it), so it is used for both: one compile per distinct stage. A
+def _xla_workspace(f, in_avals, ct_avals, wrt, forward_alone: bool = False) -> tuple[int, int]:
+    """(forward, backward) XLA temp bytes of a stage. The backward's is the stage's
+    forward+backward compiled together, where XLA's fusion decides what is really kept.
+    It also bounds the stage's forward alone (the forward is part of it), and by default
+    is used for both: one compile per distinct stage. With `forward_alone` (a whole
+    block checkpointed as one, whose forward runs apart from its backward and sets the
+    peak where the following blocks keep much) the forward is compiled alone too. A
     stage with nothing to differentiate has no backward: its forward alone is compiled."""
-    if not wrt:
+    def forward_temp() -> int:
         fwd = jax.jit(f).lower(*in_avals).compile(measure_compiler_options())
-        temp = int(fwd.memory_analysis().temp_size_in_bytes)
+        return int(fwd.memory_analysis().temp_size_in_bytes)
+
+    if not wrt:
+        temp = forward_temp()
         return temp, temp
     both = jax.jit(lambda a, ct: vjp_wrt(f, a, wrt)[1](ct))
     wb = both.lower(in_avals, ct_avals).compile(measure_compiler_options())
-    wb = wb.memory_analysis().temp_size_in_bytes
-    return int(wb), int(wb)
+    wb = int(wb.memory_analysis().temp_size_in_bytes)
+    return (min(forward_temp(), wb) if forward_alone else wb), wb
 
 
 def scale_chain(chain: ChainModel, f: float) -> ChainModel:
