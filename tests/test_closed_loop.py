@@ -12,6 +12,10 @@ import remat_planner as rp
 from remat_planner.memory import simulate
 from remat_planner.planner import MAX_COMPILES, per_block_plans
 
+# Whole-step compiles at several budgets: left out of the README's test command, run by
+# .ci/run's second part (`-m slow`).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def plain_jax():

@@ -31,6 +31,10 @@ from remat_planner.models.bert import Bert, BertSettings
 from remat_planner.models.llama import rotary
 from remat_planner.verify import train_step
 
+# Whole-step compiles at several budgets: left out of the README's test command, run by
+# .ci/run's second part (`-m slow`).
+pytestmark = pytest.mark.slow
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # Keeps remat on CPU (DESIGN fact 1); LLVM at -O0 compiles faster and runs tiny steps fine.
 OPTIONS = measure_compiler_options()

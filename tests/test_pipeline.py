@@ -13,6 +13,10 @@ from remat_planner import planner as pl
 from remat_planner.config import build_workload, load_config, make_optimizer
 from remat_planner.plan import DOTS_NO_BATCH, NOTHING, STORE, Segment
 
+# Whole-step compiles at several budgets: left out of the README's test command, run by
+# .ci/run's second part (`-m slow`).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def tiny():

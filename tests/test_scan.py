@@ -21,6 +21,10 @@ from remat_planner.solve import ChainSolver
 from remat_planner.trace import trace
 from remat_planner.verify import measure
 
+# Whole-step compiles at several budgets: left out of the README's test command, run by
+# .ci/run's second part (`-m slow`).
+pytestmark = pytest.mark.slow
+
 OPT = optax.adamw(1e-3)
 
 

@@ -25,8 +25,9 @@ SCHEMES = {"dp": "data=8", "fsdp": "data=8", "fsdp+tp": "data=4,model=2"}
 FRACTIONS = (0.8, 0.65, 0.5)
 N_LAYER = 4  # as in the config
 
-pytestmark = pytest.mark.skipif(len(jax.devices()) < 8,
-                                reason="needs 8 devices (tests/conftest.py sets XLA_FLAGS)")
+pytestmark = [pytest.mark.slow,  # compiles sharded steps: run by .ci/run's second part
+              pytest.mark.skipif(len(jax.devices()) < 8,
+                                 reason="needs 8 devices (tests/conftest.py sets XLA_FLAGS)")]
 
 
 @pytest.fixture(scope="module")

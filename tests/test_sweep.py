@@ -16,6 +16,10 @@ from test_reliability import (KNOWN_NON_MONOTONE, SWEEP_BUDGETS, _assert_one_lin
                               _plan, check_gradients,
                               model)  # noqa: F401  (model: the shared fixture)
 
+# Whole-step compiles at several budgets: left out of the README's test command, run by
+# .ci/run's second part (`-m slow`).
+pytestmark = pytest.mark.slow
+
 
 # test_sweep_b.py's models, about half of the sweep's compile time (measured per model:
 # unet 236 s, bert 170, vit 134, resnet 111, gpt2 108, llama 95, nnx 88)

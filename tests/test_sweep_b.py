@@ -9,6 +9,10 @@ from test_reliability import model  # noqa: F401  (the shared fixture)
 from test_reliability import check_gradients
 from test_sweep import check_sweep, sweep_params
 
+# Whole-step compiles at several budgets: left out of the README's test command, run by
+# .ci/run's second part (`-m slow`).
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", sweep_params(second_half=True), indirect=True)
