@@ -369,7 +369,8 @@ def _calibrate(an: Analysis, loss_fn, params, batch, optimizer, say) -> Analysis
 def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bool = True,
          max_rounds: int = 4, progress: Progress | None = None,
          analysis: Analysis | None = None, has_aux: bool = False, mesh=None,
-         sharding=None, cost_model: CostModel | str | None = None) -> Plan:
+         sharding=None, cost_model: CostModel | str | None = None,
+         max_compiles: int | None = None) -> Plan:
     """Plan rematerialization of `loss_fn`'s training step to fit `budget`.
 
     Args:
@@ -391,6 +392,12 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
         the roofline time flops/F + bytes/B (costmodel.CostModel; pass one to set the
         machine constants). Either way the plan's metadata reports the predicted
         recompute time (`recompute_time_overhead_predicted`).
+      max_compiles: whole-step XLA compiles this call may make (default MAX_COMPILES),
+        the analysis's calibration compiles included when no `analysis` is given; the
+        closed loop's rounds and the probes share them, and a plan `analysis` measured
+        before is free. A sweep over many budgets of one analysis passes fewer (its later
+        budgets reuse the plans measured at earlier ones). At least 1; the closed loop's
+        first round always gets its compile.
     Returns:
       A Plan with predicted (and, if verified, measured) peak and recompute FLOPs.
     Raises:
@@ -425,7 +432,10 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     # peak and the model's for the last measured plan is the correction carried into
     # the next prediction. Over budget: lower the target by the excess. Under budget
     # with slack below a target that failed: bisect upwards for a cheaper plan.
-    compiles = _Compiles(MAX_COMPILES - (0 if analysis is not None else an.calibration_compiles))
+    limit = MAX_COMPILES if max_compiles is None else max_compiles
+    if limit < 1:
+        raise ValueError(f"max_compiles must be at least 1, got {max_compiles}")
+    compiles = _Compiles(max(1, limit - (0 if analysis is not None else an.calibration_compiles)))
     target, solution, correction = budget_bytes, first, 0
     best: Plan | None = None
     best_target = budget_bytes  # the target that produced `best`
