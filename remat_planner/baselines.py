@@ -8,7 +8,7 @@
   about sqrt(n); each group is one checkpoint that keeps only its input, and inside it
   each block is its own checkpoint (nothing_saveable), so the backward pass recomputes a
   group's blocks from the group input, then each block from its own input. For a layer
-  stack written as a scan it is the grouped scan (DESIGN / docs/guide.md, "scan schemes"):
+  stack written as a scan it is the grouped scan (docs/guide.md, "scan schemes"):
   an outer scan over checkpointed groups of k iterations whose body is an inner scan of
   k checkpointed iterations, k the divisor of n closest to sqrt(n).
 

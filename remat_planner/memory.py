@@ -29,7 +29,8 @@ CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
 
 def compiler_options() -> dict:
-    """XLA options that keep remat: on CPU `cse_barrier_expander` undoes it (DESIGN fact 1)."""
+    """XLA options that keep remat: on CPU `cse_barrier_expander` undoes it
+    (docs/jax-facts.md, fact 1)."""
     return dict(CPU_COMPILER_OPTIONS) if jax.default_backend() == "cpu" else {}
 
 

@@ -165,7 +165,7 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
             gathered = {v: b for v, (_, b) in gathered_params(program, params, spec).items()}
             chain = with_gathered_weights(chain, program, cost, gathered)
     if optimizer is not None and spec is None and per_parameter_update(optimizer, params):
-        # Each stage's own gradients live through its backward only (fact 9).
+        # Each stage's own gradients live through its backward only (docs/jax-facts.md, fact 3).
         staged = stage_gradient_bytes(program, cost)
         chain = with_stage_gradients(chain, staged)
         fixed = dataclasses.replace(fixed, staged_grads_bytes=sum(staged))

@@ -2,7 +2,7 @@
 
 Nothing is allocated: steps are lowered on abstract shapes and XLA's buffer assignment
 is read from `memory_analysis()`. On CPU every compile carries the option that keeps
-remat (DESIGN fact 1).
+remat (docs/jax-facts.md, fact 1).
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ from remat_planner.verify import train_step
 pytestmark = pytest.mark.slow
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-# Keeps remat on CPU (DESIGN fact 1); LLVM at -O0 compiles faster and runs tiny steps fine.
+# Keeps remat on CPU (docs/jax-facts.md, fact 1); LLVM at -O0 compiles faster and runs tiny
+# steps fine.
 OPTIONS = measure_compiler_options()
 
 # name -> (tiny config, model overrides); two blocks keep each case's compiles short. The

@@ -1,0 +1,146 @@
+"""Re-measure the JAX/XLA behaviours the planner relies on (docs/jax-facts.md).
+
+Everything is compiled on abstract shapes (nothing allocated) and read from XLA's
+`memory_analysis()` and `cost_analysis()`. Run from the repository root:
+
+    python scripts/jax_facts.py
+
+1. On CPU, XLA removes rematerialization unless compiled with
+   `xla_disable_hlo_passes=cse_barrier_expander` (memory.compiler_options).
+2. One `jax.checkpoint` around the whole loss does not lower the peak; separate
+   checkpoints (segments) do.
+3. In a donated optax step, XLA applies each parameter's update once its gradient is
+   complete, so gradients are not all live at once; an update that reads every
+   gradient (clip_by_global_norm) holds them all (memory.per_parameter_update).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+MIB = 2 ** 20
+REMAT_OPTION = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+
+
+def _compile(f, *args, options=None, donate=()):
+    return jax.jit(f, donate_argnums=donate).lower(*args).compile(options or {})
+
+
+def _temp_and_flops(compiled) -> tuple[float, float]:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return compiled.memory_analysis().temp_size_in_bytes / MIB, float(cost.get("flops", 0.0))
+
+
+def _mlp(n_layers: int, d: int, rows: int, residual: bool = True):
+    """n_layers layers of `h + sin(tanh(h @ W) @ W.T)` (residual: each layer keeps several
+    activations for its backward, so a checkpoint per layer saves memory) or `tanh(h @ W)`."""
+    ws = [jax.ShapeDtypeStruct((d, d), jnp.float32)] * n_layers
+    x = jax.ShapeDtypeStruct((rows, d), jnp.float32)
+
+    def layer(w, h):
+        return h + jnp.sin(jnp.tanh(h @ w) @ w.T) if residual else jnp.tanh(h @ w)
+
+    return ws, x, layer
+
+
+def fact_cpu_option() -> list[str]:
+    ws, x, layer = _mlp(8, 1024, 2048)
+
+    def loss(ws, x, remat):
+        h = x
+        for w in ws:
+            h = jax.checkpoint(layer)(w, h) if remat else layer(w, h)
+        return jnp.sum(h ** 2)
+
+    rows = []
+    for label, remat, options in (("no remat", False, None),
+                                  ("jax.checkpoint per layer, default options", True, None),
+                                  ("jax.checkpoint per layer, cse_barrier_expander off", True,
+                                   REMAT_OPTION)):
+        c = _compile(jax.grad(lambda ws, x, r=remat: loss(ws, x, r)), ws, x, options=options)
+        temp, flops = _temp_and_flops(c)
+        rows.append(f"| {label} | {temp:.1f} | {flops / 1e9:.2f} |")
+    return ["| 8 layers h + sin(tanh(h @ W) @ W.T), d 1024, 2048 rows, jax.grad | temp MiB | "
+            "GFLOP |",
+            "|---|---|---|", *rows]
+
+
+def fact_one_checkpoint() -> list[str]:
+    ws, x, layer = _mlp(8, 1024, 2048)
+
+    def plain(ws, x):
+        h = x
+        for w in ws:
+            h = layer(w, h)
+        return jnp.sum(h ** 2)
+
+    def segmented(ws, x, k):
+        h = x
+        for i in range(0, len(ws), k):
+            h = jax.checkpoint(lambda hs, h: plain_part(hs, h))(ws[i:i + k], h)
+        return jnp.sum(h ** 2)
+
+    def plain_part(ws, h):
+        for w in ws:
+            h = layer(w, h)
+        return h
+
+    rows = []
+    for label, f in (("no remat", plain),
+                     ("one checkpoint around the whole loss",
+                      lambda ws, x: jax.checkpoint(plain)(ws, x)),
+                     ("one checkpoint per 2 layers", lambda ws, x: segmented(ws, x, 2)),
+                     ("one checkpoint per layer", lambda ws, x: segmented(ws, x, 1))):
+        temp, _ = _temp_and_flops(_compile(jax.grad(f), ws, x, options=REMAT_OPTION))
+        rows.append(f"| {label} | {temp:.1f} |")
+    return ["| same MLP, cse_barrier_expander off | temp MiB |", "|---|---|", *rows]
+
+
+def fact_gradient_lifetimes() -> list[str]:
+    rows = []
+    for batch in (64, 4096):
+        ws, x, layer = _mlp(8, 1024, batch, residual=False)
+
+        def loss(ws, x):
+            h = x
+            for w in ws:
+                h = layer(w, h)
+            return jnp.sum(h ** 2)
+
+        cells = []
+        for opt in (optax.adamw(1e-3), optax.sgd(1e-3),
+                    optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), None):
+            if opt is None:
+                c = _compile(jax.grad(loss), ws, x, options=REMAT_OPTION)
+            else:
+                state = jax.eval_shape(opt.init, ws)
+
+                def step(ws, state, x, opt=opt):
+                    g = jax.grad(loss)(ws, x)
+                    updates, state = opt.update(g, state, ws)
+                    return optax.apply_updates(ws, updates), state
+
+                c = _compile(step, ws, state, x, options=REMAT_OPTION, donate=(0, 1))
+            cells.append(f"{_temp_and_flops(c)[0]:.1f}")
+        rows.append(f"| batch {batch} (activations {8 * batch * 1024 * 4 / MIB:.0f} MiB) | "
+                    + " | ".join(cells) + " |")
+    return ["| 8 layers tanh(h @ W) of 1024 x 1024 (32 MiB params, 32 MiB grads), temp MiB | "
+            "AdamW | SGD | "
+            "clip_by_global_norm + AdamW | jax.grad alone |", "|---|---|---|---|---|", *rows]
+
+
+def main() -> None:
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}\n")
+    for title, fact in (("1. The CPU compiler option", fact_cpu_option),
+                        ("2. One checkpoint around everything", fact_one_checkpoint),
+                        ("3. Gradient lifetimes in a donated optax step",
+                         fact_gradient_lifetimes)):
+        print(f"## {title}\n")
+        print("\n".join(fact()) + "\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()
