@@ -65,7 +65,8 @@ def report(name: str, errors: list[float]) -> None:
             p = rp.plan(m.loss_fn, m.params, m.batch, b.peak_bytes, m.optimizer,
                         has_aux=m.has_aux)
             errors.append(model_error(an, p))
-            ours = f"{p.measured_peak_bytes / MIB:.2f} MiB | {over(p.measured_flops):.2%}"
+            ours = (f"{p.measured_peak_bytes / MIB:.2f} MiB | {over(p.measured_flops):.2%} "
+                    f"({p.metadata.get('compiles')} compiles)")
             if p.measured_flops > b.flops + rp.planner.REUSE_TOLERANCE * base.flops:
                 ours += " (more)"
         except rp.InfeasibleBudgetError:
