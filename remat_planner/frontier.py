@@ -2,12 +2,14 @@
 built-in policies, all measured in one run through the same path.
 
 `sweep()` analyses the step once (planner.analyze, calibrated), measures every built-in
-comparison point (baselines.py), plans at budgets spaced geometrically from the smallest
-feasible one to the no-remat peak, and plans again at each built-in point's XLA peak.
-Every plan is verified by the closed loop (planner.plan compiles it); every figure is
-verify.measure's: XLA's memory_analysis peak and the FLOPs of the donated optimizer step
-compiled with the CPU option that keeps remat. Overhead is (FLOPs - no-remat FLOPs) /
-no-remat FLOPs.
+comparison point (baselines.py) and the planner's per-block plans, plans at budgets
+spaced geometrically from the smallest feasible one to the no-remat peak, and plans
+again at each built-in point's XLA peak. Every plan is verified by the closed loop
+(planner.plan compiles it; one compile per call, SWEEP_COMPILES, as every call reuses
+the plans XLA measured on the shared analysis); every figure is verify.measure's: XLA's
+memory_analysis peak and the FLOPs of the donated optimizer step compiled with the CPU
+option that keeps remat. Each point ends with the cheapest plan XLA measured in the run
+within its budget. Overhead is (FLOPs - no-remat FLOPs) / no-remat FLOPs.
 
 Writers: `write_csv`, `write_markdown`, `plot` (matplotlib, Agg). A row is
 `Point.row()`; a later column (e.g. predicted time) is one more field there and in
@@ -34,6 +36,21 @@ from .verify import measure
 fb = DEFAULT_UNITS.format  # progress messages; the files take the units they are given
 
 MIN_POINTS = 12
+# Whole-step compiles each planner call of a sweep may make (planner.plan's
+# max_compiles; a single plan() call gets planner.MAX_COMPILES, 6). The sweep's points
+# share one analysis, so a plan XLA measured at one budget is reused at every other
+# (planner._cheaper_verified, and _reuse_verified over every point at the end of
+# sweep()); a compile is most of a point's time (gpt2-tiny: ~1.9 s on 2 busy CPU cores,
+# gpt2-small: ~10 s). A point gets the closed loop's first round: the model's plan at
+# its budget, checked by XLA; the per-block plans (_measure_per_block) and the plans of
+# the other points are its alternatives.
+SWEEP_COMPILES = 1
+# Where the frontier is flat a compile buys little. Before a sweep point is planned, the
+# model's plan at its budget (no compile) is set against the cheapest plan XLA already
+# measured within the budget: when the model's recomputes less by under FLAT_GAIN of
+# the step's FLOPs, the point takes the measured plan and compiles nothing. The no-remat
+# end is always planned (nothing is recomputed there), and so are the built-ins' peaks.
+FLAT_GAIN = 0.005
 
 Step = Callable[[str], None]
 
@@ -51,6 +68,7 @@ class Point:
     predicted_peak_bytes: int | None = None
     predicted_overhead: float | None = None   # the planner's cost model, fraction
     verify_rounds: int | None = None
+    compiles: int | None = None       # planner: whole-step compiles its plan() call(s) made
     plan: str = ""                    # the plan's top-level segments / the builtin's grouping
     note: str = ""
     min_feasible_bytes: int | None = None     # infeasible planner point: what the error named
@@ -83,6 +101,7 @@ class Point:
             "overhead_pct": pct(self.overhead),
             "predicted_overhead_pct": pct(self.predicted_overhead),
             "verify_rounds": "" if self.verify_rounds is None else self.verify_rounds,
+            "compiles": "" if self.compiles is None else self.compiles,
             "on_frontier": int(self.on_frontier), "knee": int(self.knee),
             "plan": self.plan, "note": self.note,
         }
@@ -125,6 +144,7 @@ class Frontier:
     comparisons: list[Comparison]
     seconds: float
     analysis_seconds: float
+    per_block_compiles: int = 0    # the planner's per-block plans, compiled once for all points
     jax_version: str = jax.__version__
     date: str = dataclasses.field(
         default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).strftime(
@@ -148,6 +168,7 @@ class Frontier:
             "config": self.config, "model": self.model, "jax_version": self.jax_version,
             "date": self.date, "seconds": round(self.seconds, 1),
             "analysis_seconds": round(self.analysis_seconds, 1),
+            "per_block_compiles": self.per_block_compiles,
             "no_remat": self.noremat.row(),
             "points": [p.row() for p in self.points],
             "builtins": [p.row() for p in self.builtins],
@@ -174,18 +195,83 @@ def sweep_budgets(low: int, high: int, n: int) -> list[int]:
 
 
 def _plan_point(wl, optimizer, an, budget: int, label: str, noremat_flops: float,
-                say) -> Point:
+                say, max_compiles: int | None = None) -> Point:
+    known = len(an.verified)  # plans XLA measured on this analysis so far
     try:
         p = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer,
-                    analysis=an, progress=say)
+                    analysis=an, progress=say, max_compiles=max_compiles)
     except InfeasibleBudgetError as e:
         return Point("planner", label, budget, None, None, noremat_flops,
+                     compiles=len(an.verified) - known,
                      note=f"infeasible: smallest feasible {e.min_feasible_bytes:,} bytes",
                      min_feasible_bytes=e.min_feasible_bytes)
+    return _point(p, label, budget, noremat_flops,
+                  compiles=p.metadata.get("compiles", len(an.verified) - known))
+
+
+def _point(p, label: str, budget: int, noremat_flops: float, compiles: int | None,
+           note: str = "") -> Point:
     return Point("planner", label, budget, p.measured_peak_bytes, p.measured_flops,
                  noremat_flops, predicted_peak_bytes=p.predicted_peak_bytes,
                  predicted_overhead=p.recompute_overhead,
-                 verify_rounds=p.metadata.get("verify_rounds"), plan=_summary(p.segments))
+                 verify_rounds=p.metadata.get("verify_rounds"), compiles=compiles,
+                 plan=_summary(p.segments), note=note)
+
+
+def _allowance(wl, optimizer, an, budget: int, noremat_flops: float, max_compiles: int,
+               costs) -> tuple[int, object]:
+    """Compiles to spend at `budget` (0 or max_compiles; see FLAT_GAIN) and the cheapest
+    plan XLA measured on `an` within it (None if there is none)."""
+    have = pl._cheapest_verified(an, budget, optimizer, wl.abstract_params,
+                                 wl.abstract_batch, costs)
+    if have is None:
+        return max_compiles, None
+    try:
+        model = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer,
+                        analysis=an, verify=False)
+    except InfeasibleBudgetError:
+        return max_compiles, have
+    gain = (have.measured_flops - noremat_flops) / noremat_flops - model.recompute_overhead
+    return (0 if gain < FLAT_GAIN else max_compiles), have
+
+
+def _measure_per_block(wl, optimizer, an, costs) -> int:
+    """Compile the planner's per-block plans (planner.per_block_plans: every copy of a
+    repeated block checkpointed whole under nothing_saveable, dots_with_no_batch_dims_saveable
+    or dots_saveable, the rest stored, replayed like any plan) once, on `an`, so that every
+    planner call of the sweep can reuse them (planner._cheaper_verified): what a single
+    plan() call probes late, with the compiles the sweep's calls do not have. Returns the
+    compiles made."""
+    P, B = wl.abstract_params, wl.abstract_batch
+    made = 0
+    for segments in pl.per_block_plans(an.chain):
+        act, cost = pl.simulate(costs.objective_chain, segments)
+        p = pl._make_plan(an, pl.Solution(segments, cost, act), an.noremat.peak_bytes, P, B,
+                          0, costs=costs)
+        if pl._cached_measurement(an, p, optimizer) is None:
+            made += 1
+        pl._measure_plan(an, p, wl.loss_fn, P, B, optimizer)
+    return made
+
+
+def _reuse_verified(wl, optimizer, an, pts: list[Point], noremat_flops: float) -> None:
+    """Give each planner point the plan with the fewest XLA FLOPs among all those XLA
+    measured in this run within its budget, when that recomputes less than its own (by
+    more than planner.REUSE_TOLERANCE of the step): a plan met at a larger budget may fit
+    a smaller one. No compile; a point's figures stay XLA's for the plan it names. A point
+    whose plan recomputes nothing keeps it (XLA counts some remat plans below the step
+    without remat: that is not less work)."""
+    costs = pl._PlanCosts(an, pl.resolve_cost_model(None))
+    tol = pl.REUSE_TOLERANCE * noremat_flops
+    for i, pt in enumerate(pts):
+        if pt.feasible and pt.predicted_overhead == 0.0:
+            continue
+        p = pl._cheapest_verified(an, pt.budget_bytes, optimizer, wl.abstract_params,
+                                  wl.abstract_batch, costs)
+        if p is None or (pt.feasible and p.measured_flops >= pt.flops - tol):
+            continue
+        pts[i] = _point(p, pt.label, pt.budget_bytes, noremat_flops, pt.compiles,
+                        note="plan XLA measured at another budget of this run")
 
 
 def _summary(segments) -> str:
@@ -199,11 +285,17 @@ def _summary(segments) -> str:
 
 
 def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
-          step: Step | None = None, say: Callable[[str], None] | None = None) -> Frontier:
+          step: Step | None = None, say: Callable[[str], None] | None = None,
+          max_compiles: int = SWEEP_COMPILES) -> Frontier:
     """Measure the frontier of workload `wl`'s step (see the module docstring).
 
     step(description) is called at the start of each of `total_steps(points)` steps;
-    say(message) relays the pipeline's finer progress.
+    say(message) relays the pipeline's finer progress. Each planner call makes at most
+    `max_compiles` whole-step compiles (planner.plan's max_compiles); a sweep point where
+    the frontier is flat makes none (see FLAT_GAIN). The planner's per-block plans are
+    compiled once first. After the low end, the sweep's budgets and the built-ins' peaks
+    are planned in increasing order; at the end every point takes the cheapest plan XLA
+    measured in the run within its budget.
     """
     if points < MIN_POINTS:
         from .errors import ConfigError
@@ -219,52 +311,85 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
     nf = nr.flops
     noremat = Point("builtin", baselines.NO_REMAT, None, nr.peak_bytes, nr.flops, nf,
                     plan="no checkpoint")
-    builtins = [noremat]
-    for name in baselines.NAMES[1:]:
+
+    costs = pl._PlanCosts(an, pl.resolve_cost_model(None))
+
+    def builtin(name: str) -> Point:
         step(f"measuring built-in: {name}")
         if name == baselines.SQRT_N:
             loss, how = baselines.sqrt_grouping_loss(wl.loss_fn, P, B, wl.has_aux)
         else:
             loss, how = baselines.builtin_loss(name, wl.loss_fn, P, B, wl.has_aux), "per block"
         m = measure(loss, P, B, optimizer, wl.has_aux)
-        builtins.append(Point("builtin", name, None, m.peak_bytes, m.flops, nf, plan=how))
+        return Point("builtin", name, None, m.peak_bytes, m.flops, nf, plan=how)
 
     # The low end: the model's smallest feasible budget; when XLA finds the plan over it,
     # the error names a verified-or-lowest-measured peak to try instead (twice at most).
     low, high = an.min_feasible_budget(), nr.peak_bytes
-    budgets = sweep_budgets(low, high, points)
-    planned: list[Point] = []
-    for i in range(points):
-        b = budgets[i]
-        step(f"planning at {fb(b)} ({i + 1}/{points})")
-        label = f"sweep {i + 1}/{points}"
-        pt = _plan_point(wl, optimizer, an, b, label, nf, say)
-        if i == 0:
-            for _ in range(2):
-                retry = pt.min_feasible_bytes
-                if pt.feasible or retry is None or retry <= pt.budget_bytes or retry >= high:
-                    break
-                say(f"XLA's smallest feasible budget is above the model's; trying {fb(retry)}")
-                pt = _plan_point(wl, optimizer, an, retry, label, nf, say)
-            if pt.feasible and pt.budget_bytes != low:
-                # Respace the rest of the sweep from the verified low end.
-                budgets = sweep_budgets(pt.budget_bytes, high, points)
-        planned.append(pt)
 
-    comparisons = []
-    for b in builtins[1:]:
-        step(f"planning at the {b.label} peak ({fb(b.peak_bytes)})")
-        pt = _plan_point(wl, optimizer, an, b.peak_bytes, f"at {b.label} peak", nf, say)
-        planned.append(pt)
-        comparisons.append(Comparison(b, pt))
+    def low_end() -> Point:
+        step(f"planning at {fb(low)} (1/{points})")
+        label = f"sweep 1/{points}"
+        pt = _plan_point(wl, optimizer, an, low, label, nf, say, max_compiles)
+        spent = pt.compiles or 0
+        for _ in range(2):
+            retry = pt.min_feasible_bytes
+            if pt.feasible or retry is None or retry <= pt.budget_bytes or retry >= high:
+                break
+            say(f"XLA's smallest feasible budget is above the model's; trying {fb(retry)}")
+            pt = _plan_point(wl, optimizer, an, retry, label, nf, say, max_compiles)
+            spent += pt.compiles or 0
+        pt.compiles = spent
+        return pt
+
+    def at(budget: int, label: str, what: str, cap: int, flat_ok: bool = False) -> Point:
+        step(what)
+        if flat_ok:
+            cap, have = _allowance(wl, optimizer, an, budget, nf, max_compiles, costs)
+            if cap == 0:
+                say("the frontier is flat here: taking a plan XLA measured at a smaller "
+                    "budget")
+                return _point(have, label, budget, nf, compiles=0,
+                              note="flat: plan XLA measured at another budget of this run")
+        return _plan_point(wl, optimizer, an, budget, label, nf, say, cap)
+
+    builtins = [noremat] + [builtin(name) for name in baselines.NAMES[1:]]
+    step("measuring the planner's per-block plans")
+    per_block = _measure_per_block(wl, optimizer, an, costs)
+    pt = low_end()
+    budgets = sweep_budgets(low, high, points)
+    if pt.feasible and pt.budget_bytes != low:
+        # Respace the rest of the sweep from the verified low end.
+        budgets = sweep_budgets(pt.budget_bytes, high, points)
+    # The rest in increasing budget, the built-ins' peaks among the sweep's budgets: each
+    # call reuses the plans XLA measured at the smaller budgets before it.
+    queue = sorted([(budgets[i], 0, i) for i in range(1, points)]
+                   + [(b.peak_bytes, 1, j) for j, b in enumerate(builtins[1:])])
+    done = {}
+    for budget, kind, i in queue:
+        if kind == 0:
+            done[kind, i] = at(budget, f"sweep {i + 1}/{points}",
+                               f"planning at {fb(budget)} ({i + 1}/{points})",
+                               max_compiles, flat_ok=i < points - 1)
+        else:
+            b = builtins[1 + i]
+            done[kind, i] = at(budget, f"at {b.label} peak",
+                               f"planning at the {b.label} peak ({fb(budget)})",
+                               max_compiles)
+    planned = [pt] + [done[0, i] for i in range(1, points)]
+    planned += [done[1, j] for j in range(len(builtins) - 1)]
+    _reuse_verified(wl, optimizer, an, planned, nf)
+    comparisons = [Comparison(b, pt) for b, pt in zip(builtins[1:], planned[-len(builtins) + 1:])]
     mark_frontier(planned)
     return Frontier(config, {**wl.info, "param_count": wl.param_count}, noremat, planned,
-                    builtins, comparisons, time.perf_counter() - t0, analysis_seconds)
+                    builtins, comparisons, time.perf_counter() - t0, analysis_seconds,
+                    per_block_compiles=per_block)
 
 
 def total_steps(points: int) -> int:
-    """Steps sweep() reports: analysis, built-ins but no remat, sweep, comparisons."""
-    return 1 + (len(baselines.NAMES) - 1) + points + (len(baselines.NAMES) - 1)
+    """Steps sweep() reports: analysis, built-ins but no remat, the per-block plans,
+    sweep, comparisons."""
+    return 1 + (len(baselines.NAMES) - 1) + 1 + points + (len(baselines.NAMES) - 1)
 
 
 def mark_frontier(points: Sequence[Point]) -> None:
@@ -351,6 +476,11 @@ def markdown(fr: Frontier, command: str = "", units: Units = DEFAULT_UNITS) -> s
               "frontier.png's x axis; frontier.csv in bytes"]
     if command:
         lines.append(f"- command: `{command}`")
+    spent = sum(p.compiles or 0 for p in fr.points)
+    lines.append(f"- whole-step compiles besides the analysis's: {len(fr.builtins) - 1} "
+                 f"built-ins, {fr.per_block_compiles} per-block plans, {spent} by the "
+                 f"{len(fr.points)} planner points (`compiles`; a point without one took a "
+                 "plan XLA measured at another budget of this run)")
     knee = fr.knee
     if knee is not None:
         lines.append(f"- **knee** (where a further percentage point of overhead starts to "
@@ -358,15 +488,15 @@ def markdown(fr: Frontier, command: str = "", units: Units = DEFAULT_UNITS) -> s
                      f"{fb(knee.peak_bytes)} at {_pct(knee.overhead)} overhead")
     lines += ["", "## Planner points", "",
               "| point | budget | XLA peak | predicted peak | overhead (XLA FLOPs) "
-              "| predicted overhead | rounds | frontier | plan |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| predicted overhead | rounds | compiles | frontier | plan |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for p in sorted(fr.points, key=lambda p: (p.budget_bytes or 0)):
         mark = ("**knee**" if p.knee else "yes") if p.on_frontier else ""
         lines.append(
             f"| {p.label} | {fb(p.budget_bytes)} | {_peak_(p)} | "
             f"{'-' if p.predicted_peak_bytes is None else fb(p.predicted_peak_bytes)} | "
             f"{_pct(p.overhead)} | {_pct(p.predicted_overhead)} | {p.verify_rounds or '-'} | "
-            f"{mark} | {p.plan or p.note} |")
+            f"{'-' if p.compiles is None else p.compiles} | {mark} | {p.plan or p.note} |")
     lines += ["", "## JAX built-in policies (same step, same measurement)", "",
               "| policy | how | XLA peak | overhead (XLA FLOPs) |", "|---|---|---|---|"]
     for p in fr.builtins:

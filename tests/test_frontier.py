@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from remat_planner import Plan, baselines
+from remat_planner import frontier as fr_mod
+from remat_planner import planner as pl
 from remat_planner.cli import main
 from remat_planner.config import build_workload, load_config, make_optimizer
 from remat_planner.frontier import MIN_POINTS, sweep_budgets
@@ -49,13 +51,30 @@ def run(capsys, *argv):
     return code, out, err
 
 
+# Whole-step compiles of the module's frontier run, counted where they happen: the
+# planner's (analysis and plan() calls) and the built-in policies'.
+COMPILES: dict[str, int] = {}
+
+
 @pytest.fixture(scope="module")
 def frontier_run(tmp_path_factory, two_layer):
     out = tmp_path_factory.mktemp("frontier") / "out"
     stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = main(["frontier", two_layer, "--out", str(out), "--json"])
+    counts = {"planner": 0, "builtin": 0}
+
+    def counting(where, real):
+        def m(*a, **k):
+            counts[where] += 1
+            return real(*a, **k)
+        return m
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pl, "measure", counting("planner", pl.measure))
+        mp.setattr(fr_mod, "measure", counting("builtin", fr_mod.measure))
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = main(["frontier", two_layer, "--out", str(out), "--json"])
     assert code == 0, stderr.getvalue()
+    COMPILES.update(counts)
     report = json.loads(stdout.getvalue())
     with open(out / "frontier.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -150,6 +169,68 @@ def test_builtin_points_and_comparison_at_their_peaks(frontier_run):
             pol = float(builtin[name]["recompute_flops"])
             mine = float(row["recompute_flops"])
             assert c["relative_recompute"] == pytest.approx((mine - pol) / pol, rel=1e-4)
+
+
+def test_compiles_per_point_are_bounded(frontier_run):
+    """Each planner call of the sweep spends at most its share of whole-step compiles
+    (issue 20: 82 compiles for 17 calls made `frontier` on gpt2-tiny take 110 s); the
+    `compiles` column is what was spent, every compile counted."""
+    report, rows, _ = frontier_run
+    planner = _planner(rows)
+    spent = {r["label"]: int(r["compiles"]) for r in planner}
+    n = len(spent) - (len(baselines.NAMES) - 1)
+    low = f"sweep 1/{n}"
+    for label, c in spent.items():
+        if label == low:  # the low end may retry twice at XLA's smallest feasible budget
+            assert c <= 3 * fr_mod.SWEEP_COMPILES, (label, c)
+        elif label.startswith("sweep"):
+            assert c <= fr_mod.SWEEP_COMPILES, (label, c)
+        else:
+            assert c <= fr_mod.SWEEP_COMPILES, (label, c)
+    # Every compile is in the column (the rest are the analysis's: no remat and the
+    # calibration), and the built-ins are measured once each.
+    assert COMPILES["builtin"] == len(baselines.NAMES) - 1
+    assert 0 <= report["per_block_compiles"] <= len(pl.PER_BLOCK_RULES)
+    analysis = COMPILES["planner"] - sum(spent.values()) - report["per_block_compiles"]
+    assert 1 <= analysis <= 3, (COMPILES, report["per_block_compiles"])
+    # Far below what one plan() call per point may spend (planner.MAX_COMPILES each).
+    assert sum(spent.values()) <= n * fr_mod.SWEEP_COMPILES + 2 * fr_mod.SWEEP_COMPILES \
+        + (len(baselines.NAMES) - 1) * fr_mod.SWEEP_COMPILES
+
+
+def test_plan_max_compiles_caps_one_call(two_layer):
+    """planner.plan(max_compiles=k) makes at most k whole-step compiles on a given
+    analysis, and a plan the analysis measured before costs none."""
+    from remat_planner.errors import InfeasibleBudgetError
+
+    cfg = load_config(two_layer)
+    wl, opt = build_workload(cfg), make_optimizer(cfg.optimizer)
+    P, B = wl.abstract_params, wl.abstract_batch
+    an = pl.analyze(wl.loss_fn, P, B, opt)
+    budget = (an.min_feasible_budget() + 3 * an.noremat.peak_bytes) // 4
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        real = pl.measure
+        mp.setattr(pl, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
+        try:
+            p = pl.plan(wl.loss_fn, P, B, budget, opt, analysis=an, max_compiles=1)
+            assert p.metadata["compiles"] == 1 and p.measured_peak_bytes <= budget
+        except InfeasibleBudgetError:  # the model's plan at the budget was over it
+            p = None
+        assert len(calls) == 1
+        # Again with two: the first round is the plan measured above (no compile).
+        again = pl.plan(wl.loss_fn, P, B, budget, opt, analysis=an, max_compiles=2)
+        assert len(calls) == 1 + again.metadata["compiles"] <= 3
+        assert again.measured_peak_bytes <= budget
+        if p is not None:
+            assert again.measured_flops <= p.measured_flops
+        # The default: up to planner.MAX_COMPILES.
+        n = len(calls)
+        most = pl.plan(wl.loss_fn, P, B, (budget + an.noremat.peak_bytes) // 2, opt,
+                       analysis=an)
+        assert len(calls) - n == most.metadata["compiles"] <= pl.MAX_COMPILES
+    with pytest.raises(ValueError, match="max_compiles"):
+        pl.plan(wl.loss_fn, P, B, budget, opt, analysis=an, max_compiles=0)
 
 
 def test_sweep_budgets_are_geometric_and_span_the_range():
