@@ -185,8 +185,11 @@ def test_compiles_per_point_are_bounded(frontier_run):
             assert c <= 3 * fr_mod.SWEEP_COMPILES, (label, c)
         elif label.startswith("sweep"):
             assert c <= fr_mod.SWEEP_COMPILES, (label, c)
-        else:
-            assert c <= fr_mod.SWEEP_COMPILES, (label, c)
+        else:  # at a built-in's peak: once more with a call's compiles if worse than it
+            assert c <= fr_mod.SWEEP_COMPILES + pl.MAX_COMPILES, (label, c)
+            if c > fr_mod.SWEEP_COMPILES:
+                comp = next(x for x in report["comparisons"] if label == f"at {x['builtin']} peak")
+                assert comp["planner_peak_bytes"] is not None
     # Every compile is in the column (the rest are the analysis's: no remat and the
     # calibration), and the built-ins are measured once each.
     assert COMPILES["builtin"] == len(baselines.NAMES) - 1
@@ -194,8 +197,9 @@ def test_compiles_per_point_are_bounded(frontier_run):
     analysis = COMPILES["planner"] - sum(spent.values()) - report["per_block_compiles"]
     assert 1 <= analysis <= 3, (COMPILES, report["per_block_compiles"])
     # Far below what one plan() call per point may spend (planner.MAX_COMPILES each).
-    assert sum(spent.values()) <= n * fr_mod.SWEEP_COMPILES + 2 * fr_mod.SWEEP_COMPILES \
-        + (len(baselines.NAMES) - 1) * fr_mod.SWEEP_COMPILES
+    assert sum(spent.values()) <= (n + 2 + len(baselines.NAMES) - 1) * fr_mod.SWEEP_COMPILES \
+        + sum(c > fr_mod.SWEEP_COMPILES for l, c in spent.items()
+              if l.startswith("at ")) * pl.MAX_COMPILES
 
 
 def test_plan_max_compiles_caps_one_call(two_layer):
