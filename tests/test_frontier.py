@@ -196,7 +196,9 @@ def test_compiles_per_point_are_bounded(frontier_run):
     assert 0 <= report["per_block_compiles"] <= len(pl.PER_BLOCK_RULES)
     analysis = COMPILES["planner"] - sum(spent.values()) - report["per_block_compiles"]
     assert 1 <= analysis <= 3, (COMPILES, report["per_block_compiles"])
-    # Far below what one plan() call per point may spend (planner.MAX_COMPILES each).
+    # Far below what one plan() call per point may spend (planner.MAX_COMPILES each; the
+    # sweep made 4.8 a call on gpt2-tiny before issue 20).
+    assert sum(spent.values()) + report["per_block_compiles"] <= 2 * len(spent), spent
     assert sum(spent.values()) <= (n + 2 + len(baselines.NAMES) - 1) * fr_mod.SWEEP_COMPILES \
         + sum(c > fr_mod.SWEEP_COMPILES for l, c in spent.items()
               if l.startswith("at ")) * pl.MAX_COMPILES
