@@ -15,7 +15,7 @@ import jax
 
 from . import scan
 from .apply import builtin_policy_loss, input_signature
-from .budget import parse_budget
+from .budget import parse_budget, units_of
 from .costmodel import CostModel, resolve as resolve_cost_model
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph, build_cost_graph
@@ -392,12 +392,13 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
         the roofline time flops/F + bytes/B (costmodel.CostModel; pass one to set the
         machine constants). Either way the plan's metadata reports the predicted
         recompute time (`recompute_time_overhead_predicted`).
-      max_compiles: whole-step XLA compiles this call may make (default MAX_COMPILES),
-        the analysis's calibration compiles included when no `analysis` is given; the
-        closed loop's rounds and the probes share them, and a plan `analysis` measured
-        before is free. A sweep over many budgets of one analysis passes fewer (its later
-        budgets reuse the plans measured at earlier ones). At least 1; the closed loop's
-        first round always gets its compile.
+      max_compiles: whole-step XLA compiles this call may make to verify plans (default
+        MAX_VERIFY_COMPILES, 4; with the analysis's two calibration compiles a fresh call
+        makes at most MAX_COMPILES, 6). The same whether or not `analysis` is given, so a
+        plan does not depend on how the analysis was obtained. The closed loop's rounds
+        and the probes share them, and a plan `analysis` measured before is free. A sweep
+        over many budgets of one analysis passes fewer (its later budgets reuse the plans
+        measured at earlier ones). At least 1.
     Returns:
       A Plan with predicted (and, if verified, measured) peak and recompute FLOPs.
     Raises:
@@ -426,16 +427,17 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     if first is None:
         raise InfeasibleBudgetError(budget_bytes, min_budget)
     if not verify:
-        return _make_plan(an, first, budget_bytes, params, batch, correction=0, costs=costs)
+        p = _make_plan(an, first, budget_bytes, params, batch, correction=0, costs=costs)
+        return dataclasses.replace(p, metadata={**p.metadata, **_labels(an, budget)})
 
     # Closed loop. `target` is the budget handed to the model; the gap between XLA's
     # peak and the model's for the last measured plan is the correction carried into
     # the next prediction. Over budget: lower the target by the excess. Under budget
     # with slack below a target that failed: bisect upwards for a cheaper plan.
-    limit = MAX_COMPILES if max_compiles is None else max_compiles
+    limit = MAX_VERIFY_COMPILES if max_compiles is None else max_compiles
     if limit < 1:
         raise ValueError(f"max_compiles must be at least 1, got {max_compiles}")
-    compiles = _Compiles(max(1, limit - (0 if analysis is not None else an.calibration_compiles)))
+    compiles = _Compiles(limit)
     target, solution, correction = budget_bytes, first, 0
     best: Plan | None = None
     best_target = budget_bytes  # the target that produced `best`
@@ -483,7 +485,7 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
         tried.append(next_solution.segments)
         target, solution = next_target, next_solution
     rounds = compiles.measured
-    calibration = 0 if analysis is not None else an.calibration_compiles
+    labels = _labels(an, budget)
     if best is not None:
         # The per-block plans first: they are what a user writes by hand, and the model's
         # error on whole-block checkpoints differs from its error on the loop's plans.
@@ -493,8 +495,8 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
                               batch, optimizer, say, costs, compiles)
         best = _cheaper_verified(an, best, budget_bytes, optimizer, params, batch, say, costs)
         return dataclasses.replace(best, metadata={
-            **best.metadata, "verify_rounds": compiles.measured,
-            "compiles": compiles.used + calibration})
+            **best.metadata, "verify_rounds": compiles.measured, "compiles": compiles.used,
+            **labels})
     # Every plan of this call is over, but a plan with one keep rule per block, or one
     # XLA measured at another budget of this analysis (a sweep's smaller budget), may
     # fit: the model's error differs per plan.
@@ -505,18 +507,31 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
         say("a plan XLA measured at another budget of this analysis fits: taking it")
         return dataclasses.replace(fallback, metadata={
             **fallback.metadata, "verify_rounds": compiles.measured,
-            "compiles": compiles.used + calibration})
+            "compiles": compiles.used, **labels})
     raise InfeasibleBudgetError(
         budget_bytes, max(min_budget, lowest_peak or 0),
         f"XLA measured every plan tried over the budget ({rounds} round(s), lowest "
         f"peak {lowest_peak} bytes)")
 
 
-# Whole-step compiles one `plan()` call may make, the analysis's calibration compiles
-# (Analysis.calibration_compiles, two) included when `plan()` analyses the step itself:
-# the closed loop's rounds and the probes share what is left. A compile is most of the
-# time of a plan() call on a large model (gpt2-small: ~10 s each on 2 CPU cores).
+# Whole-step compiles of a fresh `plan()` call: the analysis's calibration compiles
+# (Analysis.calibration_compiles, two) and at most MAX_VERIFY_COMPILES to verify plans,
+# which the closed loop's rounds and the probes share (`metadata["compiles"]` counts
+# those). A compile is most of the time of a plan() call on a large model (gpt2-small:
+# ~10 s each on 2 CPU cores).
 MAX_COMPILES = 6
+MAX_VERIFY_COMPILES = MAX_COMPILES - 2
+
+
+def _labels(an: Analysis, budget) -> dict:
+    """What a plan records for reading it later without the analysis: the unit family
+    its budget was written in, and a scanned layer's sub-stage roles."""
+    from .describe import _sub_stages
+
+    labels = {"units": units_of(budget).value}
+    if _sub_stages(an):
+        labels["scan_sub_stages"] = _sub_stages(an)
+    return labels
 
 
 class _Compiles:
