@@ -181,8 +181,8 @@ def test_compiles_per_point_are_bounded(frontier_run):
     n = len(spent) - (len(baselines.NAMES) - 1)
     low = f"sweep 1/{n}"
     for label, c in spent.items():
-        if label == low:  # the low end may retry twice at XLA's smallest feasible budget
-            assert c <= 3 * fr_mod.SWEEP_COMPILES, (label, c)
+        if label == low:  # may retry twice at XLA's smallest feasible budget, with a
+            assert c <= fr_mod.SWEEP_COMPILES + 2 * pl.MAX_COMPILES, (label, c)  # call's
         elif label.startswith("sweep"):
             assert c <= fr_mod.SWEEP_COMPILES, (label, c)
         else:  # at a built-in's peak: once more with a call's compiles if worse than it
@@ -198,8 +198,10 @@ def test_compiles_per_point_are_bounded(frontier_run):
     assert 1 <= analysis <= 3, (COMPILES, report["per_block_compiles"])
     # Far below what one plan() call per point may spend (planner.MAX_COMPILES each; the
     # sweep made 4.8 a call on gpt2-tiny before issue 20).
-    assert sum(spent.values()) + report["per_block_compiles"] <= 2 * len(spent), spent
-    assert sum(spent.values()) <= (n + 2 + len(baselines.NAMES) - 1) * fr_mod.SWEEP_COMPILES \
+    assert sum(spent.values()) + report["per_block_compiles"] \
+        <= 2 * len(spent) + pl.MAX_COMPILES, spent
+    assert sum(spent.values()) <= 2 * pl.MAX_COMPILES \
+        + (n + len(baselines.NAMES) - 1) * fr_mod.SWEEP_COMPILES \
         + sum(c > fr_mod.SWEEP_COMPILES for l, c in spent.items()
               if l.startswith("at ")) * pl.MAX_COMPILES
 
