@@ -38,11 +38,11 @@ fb = DEFAULT_UNITS.format  # progress messages; the files take the units they ar
 
 MIN_POINTS = 12
 # Whole-step compiles each planner call of a sweep may make (planner.plan's
-# max_compiles; a single plan() call gets planner.MAX_COMPILES, 6). The sweep's points
-# share one analysis, so a plan XLA measured at one budget is reused at every other
-# (planner._cheaper_verified, and _reuse_verified over every point at the end of
-# sweep()); a compile is most of a point's time (gpt2-tiny: ~1.9 s on 2 busy CPU cores,
-# gpt2-small: ~10 s). A point gets the closed loop's first round: the model's plan at
+# max_compiles; a single plan() call verifies with up to planner.MAX_VERIFY_COMPILES,
+# 4). The sweep's points share one analysis, so a plan XLA measured at one budget is
+# reused at every other (planner._cheaper_verified, and _reuse_verified over every
+# point at the end of sweep()); a compile is most of a point's time (gpt2-tiny: ~1.9 s
+# on 2 busy CPU cores, gpt2-small: ~3-4 s). A point gets the closed loop's first round: the model's plan at
 # its budget, checked by XLA; the per-block plans (_measure_per_block) and the plans of
 # the other points are its alternatives.
 SWEEP_COMPILES = 1
@@ -295,9 +295,10 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
     `max_compiles` whole-step compiles (planner.plan's max_compiles); a point where the
     frontier is flat makes none (see FLAT_GAIN); the low end's retry at XLA's smallest
     budget, and a point at a built-in's peak whose plan recomputes more than the built-in,
-    get planner.MAX_COMPILES. The planner's per-block plans are compiled once first. After the low end, the sweep's budgets and the built-ins' peaks
-    are planned in increasing order; at the end every point takes the cheapest plan XLA
-    measured in the run within its budget.
+    get planner.MAX_COMPILES (6). The planner's per-block plans are compiled once first.
+    After the low end, the sweep's budgets and the built-ins' peaks are planned in
+    increasing order; at the end every point takes the cheapest plan XLA measured in the
+    run within its budget.
     """
     if points < MIN_POINTS:
         from .errors import ConfigError
@@ -339,7 +340,7 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
             if pt.feasible or retry is None or retry <= pt.budget_bytes or retry >= high:
                 break
             say(f"XLA's smallest feasible budget is above the model's; trying {fb(retry)}")
-            # A single call's compiles here: the plan XLA measured at `retry` fits it, but
+            # planner.MAX_COMPILES (6) here: the plan XLA measured at `retry` fits it, but
             # the closed loop finds a cheaper one (scanned gpt2-small: 24.57% at 6.09 GB
             # against that plan's 49.46% at 6.12 GB, 5 compiles).
             pt = _plan_point(wl, optimizer, an, retry, label, nf, say, pl.MAX_COMPILES)
@@ -383,8 +384,8 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
                     max_compiles, flat_ok=True)
             if not Comparison(b, pt).planner_not_worse:
                 # The comparison is what the frontier is for: where the planner's plan
-                # recomputes more than the built-in at its peak, plan again with a single
-                # call's compiles (planner.MAX_COMPILES; the first round is free now).
+                # recomputes more than the built-in at its peak, plan again with
+                # planner.MAX_COMPILES (6; the first round is free now).
                 say(f"the plan at the {b.label} peak recomputes more than it: planning "
                     "again with more compiles")
                 again = _plan_point(wl, optimizer, an, budget, label, nf, say,
