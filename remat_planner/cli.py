@@ -355,6 +355,19 @@ def _verify_saved(plan, wl, optimizer, budget: int, spec, verify: bool = True):
     return dataclasses.replace(plan, measured_peak_bytes=m.peak_bytes, measured_flops=m.flops)
 
 
+def _saved_or_new_plan(args, cfg, wl, optimizer, budget, verify, say):
+    """(analysis, plan): the --plan FILE verified with XLA against `budget`, or a new plan."""
+    from . import planner as pl
+
+    if args.saved_plan is not None:
+        an = pl.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, optimizer,
+                        calibrate=verify, progress=say, has_aux=wl.has_aux, sharding=args.spec)
+        say(f"verifying the saved plan {args.plan} with XLA")
+        return an, _verify_saved(args.saved_plan, wl, optimizer, budget, args.spec, verify)
+    return _analyze_and_plan(wl, optimizer, budget, verify, say, args.spec,
+                             _cost_model(args, cfg))
+
+
 def _with_units(plan, units, an=None):
     """The plan with the budget's unit family in its metadata, so a later --plan shows
     sizes in the same family, and (given the analysis) the roles of a scanned layer's
@@ -415,15 +428,7 @@ def _plan(args) -> int:
             futures[name] = pool.submit(measure, loss, wl.abstract_params, wl.abstract_batch,
                                         optimizer, wl.has_aux, sharding=args.spec)
     try:
-        if args.saved_plan is not None:
-            an = pl.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, optimizer,
-                            calibrate=verify, progress=say, has_aux=wl.has_aux,
-                            sharding=args.spec)
-            say(f"verifying the saved plan {args.plan} with XLA")
-            plan = _verify_saved(args.saved_plan, wl, optimizer, budget, args.spec, verify)
-        else:
-            an, plan = _analyze_and_plan(wl, optimizer, budget, verify, say, args.spec,
-                                         _cost_model(args, cfg))
+        an, plan = _saved_or_new_plan(args, cfg, wl, optimizer, budget, verify, say)
         baselines = {}
         if compare:
             baselines["no_remat"] = an.noremat
@@ -637,15 +642,7 @@ def _explain(args) -> int:
     status, say = _progress(err, err.is_terminal and not args.json)
     verify = not args.no_verify
     try:
-        if args.saved_plan is not None:
-            an = pl.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, optimizer,
-                            calibrate=verify, progress=say, has_aux=wl.has_aux,
-                            sharding=args.spec)
-            say(f"verifying the saved plan {args.plan} with XLA")
-            plan = _verify_saved(args.saved_plan, wl, optimizer, budget, args.spec, verify)
-        else:
-            an, plan = _analyze_and_plan(wl, optimizer, budget, verify, say, args.spec,
-                                         _cost_model(args, cfg))
+        an, plan = _saved_or_new_plan(args, cfg, wl, optimizer, budget, verify, say)
         say("explaining")
         ex = explain(an, plan)
         report = {**ex.to_dict(), "flax_names": flax_names(an, plan)}
