@@ -2,7 +2,8 @@
 built-in policies, all measured in one run through the same path.
 
 `sweep()` analyses the step once (planner.analyze, calibrated), measures every built-in
-comparison point (baselines.py) and the planner's per-block plans, plans at budgets
+comparison point (baselines.py) and the planner's per-block plans (a per-block plan whose
+step lowers to the same XLA program as a built-in's takes its measurement), plans at budgets
 spaced geometrically from the smallest feasible one to the no-remat peak, and plans
 again at each built-in point's XLA peak. Every plan is verified by the closed loop
 (planner.plan compiles it; one compile per call, SWEEP_COMPILES, but for the low end's
@@ -22,6 +23,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
+import hashlib
 import math
 import time
 from typing import Callable, Sequence
@@ -32,7 +34,7 @@ from . import baselines
 from . import planner as pl
 from .budget import DEFAULT_UNITS, Units
 from .errors import InfeasibleBudgetError
-from .verify import measure
+from .verify import abstract, as_batch, make_step, measure
 
 fb = DEFAULT_UNITS.format  # progress messages; the files take the units they are given
 
@@ -52,6 +54,11 @@ SWEEP_COMPILES = 1
 # the step's FLOPs, the point takes the measured plan and compiles nothing. The no-remat
 # end is always planned (nothing is recomputed there).
 FLAT_GAIN = 0.005
+# Whole-step compiles of the low end's retry at XLA's smallest feasible budget: the closed
+# loop's two rounds. The probes that would follow try plans the model puts over that
+# budget; at the low end none fitted (gpt2-tiny: 4 of 4 over; scanned gpt2-small: 3 of
+# 3 over, its 24.57% plan at 6.09 GB came from the second round), and each cost a compile.
+LOW_END_COMPILES = 2
 
 Step = Callable[[str], None]
 
@@ -146,6 +153,7 @@ class Frontier:
     seconds: float
     analysis_seconds: float
     per_block_compiles: int = 0    # the planner's per-block plans, compiled once for all points
+    per_block_shared: int = 0      # per-block plans whose step is a built-in's (not compiled)
     jax_version: str = jax.__version__
     date: str = dataclasses.field(
         default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).strftime(
@@ -170,6 +178,7 @@ class Frontier:
             "date": self.date, "seconds": round(self.seconds, 1),
             "analysis_seconds": round(self.analysis_seconds, 1),
             "per_block_compiles": self.per_block_compiles,
+            "per_block_shared": self.per_block_shared,
             "no_remat": self.noremat.row(),
             "points": [p.row() for p in self.points],
             "builtins": [p.row() for p in self.builtins],
@@ -236,23 +245,54 @@ def _allowance(wl, optimizer, an, budget: int, noremat_flops: float, max_compile
     return (0 if gain < FLAT_GAIN else max_compiles), have
 
 
-def _measure_per_block(wl, optimizer, an, costs) -> int:
-    """Compile the planner's per-block plans (planner.per_block_plans: every copy of a
+def _step_program(loss, wl, optimizer) -> str:
+    """A digest of `loss`'s training step as verify.measure lowers it (donated optimizer
+    step, no sharding), without debug information: two losses with the same digest are
+    the same XLA program, compiled with the same options, so XLA's figures for one are
+    the other's."""
+    params, batch = abstract(wl.abstract_params), abstract(as_batch(wl.abstract_batch))
+    step = make_step(loss, optimizer, wl.has_aux)
+    if optimizer is None:
+        traced = jax.jit(step).trace(params, batch)
+    else:
+        opt_state = jax.eval_shape(optimizer.init, params)
+        traced = jax.jit(step, donate_argnums=(0, 1)).trace(params, opt_state, batch)
+    text = traced.lower().as_text(debug_info=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _measure_per_block(wl, optimizer, an, costs,
+                       programs: dict | None = None) -> tuple[int, int]:
+    """Measure the planner's per-block plans (planner.per_block_plans: every copy of a
     repeated block checkpointed whole under nothing_saveable, dots_with_no_batch_dims_saveable
     or dots_saveable, the rest stored, replayed like any plan) once, on `an`, so that every
     planner call of the sweep can reuse them (planner._cheaper_verified): what a single
-    plan() call probes late, with the compiles the sweep's calls do not have. Returns the
-    compiles made."""
+    plan() call probes late, with the compiles the sweep's calls do not have.
+
+    `programs` maps _step_program digests to XLA's measurements of the built-ins: a
+    per-block plan whose step is the same program as a built-in's (it is the built-in
+    policy per block, replayed) takes that measurement and is not compiled again.
+    Returns (compiles made, plans that took a built-in's measurement)."""
     P, B = wl.abstract_params, wl.abstract_batch
-    made = 0
+    made = shared = 0
     for segments in pl.per_block_plans(an.chain):
         act, cost = pl.simulate(costs.objective_chain, segments)
         p = pl._make_plan(an, pl.Solution(segments, cost, act), an.noremat.peak_bytes, P, B,
                           0, costs=costs)
-        if pl._cached_measurement(an, p, optimizer) is None:
-            made += 1
+        if pl._cached_measurement(an, p, optimizer) is not None:
+            continue
+        same = (programs.get(_step_program(p.apply(wl.loss_fn), wl, optimizer))
+                if programs else None)
+        if same is not None:
+            try:
+                an.verified[(p.segments, optimizer)] = same
+                shared += 1
+                continue
+            except TypeError:  # an optimizer that cannot be a dict key: no reuse
+                pass
+        made += 1
         pl._measure_plan(an, p, wl.loss_fn, P, B, optimizer)
-    return made
+    return made, shared
 
 
 def _reuse_verified(wl, optimizer, an, pts: list[Point], noremat_flops: float) -> None:
@@ -295,7 +335,8 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
     `max_compiles` whole-step compiles (planner.plan's max_compiles); a point where the
     frontier is flat makes none (see FLAT_GAIN); the low end's retry at XLA's smallest
     budget, and a point at a built-in's peak whose plan recomputes more than the built-in,
-    get planner.MAX_COMPILES (6). The planner's per-block plans are compiled once first.
+    get LOW_END_COMPILES (2) and planner.MAX_COMPILES (6). The planner's per-block plans
+    are measured once first (a built-in's measurement where the step is the same program).
     After the low end, the sweep's budgets and the built-ins' peaks are planned in
     increasing order; at the end every point takes the cheapest plan XLA measured in the
     run within its budget.
@@ -316,6 +357,7 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
                     plan="no checkpoint")
 
     costs = pl._PlanCosts(an, pl.resolve_cost_model(None))
+    programs: dict = {}  # _step_program digest -> XLA's measurement, the built-in policies'
 
     def builtin(name: str) -> Point:
         step(f"measuring built-in: {name}")
@@ -324,6 +366,8 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
         else:
             loss, how = baselines.builtin_loss(name, wl.loss_fn, P, B, wl.has_aux), "per block"
         m = measure(loss, P, B, optimizer, wl.has_aux)
+        if name in baselines.POLICIES and pl.per_block_plans(an.chain):
+            programs[_step_program(loss, wl, optimizer)] = m
         return Point("builtin", name, None, m.peak_bytes, m.flops, nf, plan=how)
 
     # The low end: the model's smallest feasible budget; when XLA finds the plan over it,
@@ -340,10 +384,10 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
             if pt.feasible or retry is None or retry <= pt.budget_bytes or retry >= high:
                 break
             say(f"XLA's smallest feasible budget is above the model's; trying {fb(retry)}")
-            # planner.MAX_COMPILES (6) here: the plan XLA measured at `retry` fits it, but
-            # the closed loop finds a cheaper one (scanned gpt2-small: 24.57% at 6.09 GB
-            # against that plan's 49.46% at 6.12 GB, 5 compiles).
-            pt = _plan_point(wl, optimizer, an, retry, label, nf, say, pl.MAX_COMPILES)
+            # LOW_END_COMPILES (2) here: the plan XLA measured at `retry` fits it, but the
+            # closed loop's second round may find a cheaper one (scanned gpt2-small:
+            # 24.57% at 6.09 GB against that plan's 49.46% at 6.12 GB).
+            pt = _plan_point(wl, optimizer, an, retry, label, nf, say, LOW_END_COMPILES)
             spent += pt.compiles or 0
         pt.compiles = spent
         return pt
@@ -361,7 +405,7 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
 
     builtins = [noremat] + [builtin(name) for name in baselines.NAMES[1:]]
     step("measuring the planner's per-block plans")
-    per_block = _measure_per_block(wl, optimizer, an, costs)
+    per_block, shared = _measure_per_block(wl, optimizer, an, costs, programs)
     lowest = low_end()
     budgets = sweep_budgets(low, high, points)
     if lowest.feasible and lowest.budget_bytes != low:
@@ -400,7 +444,7 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
     mark_frontier(planned)
     return Frontier(config, {**wl.info, "param_count": wl.param_count}, noremat, planned,
                     builtins, comparisons, time.perf_counter() - t0, analysis_seconds,
-                    per_block_compiles=per_block)
+                    per_block_compiles=per_block, per_block_shared=shared)
 
 
 def total_steps(points: int) -> int:
@@ -494,8 +538,10 @@ def markdown(fr: Frontier, command: str = "", units: Units = DEFAULT_UNITS) -> s
     if command:
         lines.append(f"- command: `{command}`")
     spent = sum(p.compiles or 0 for p in fr.points)
+    shared = (f" ({fr.per_block_shared} more the same XLA program as a built-in's, not "
+              "compiled again)" if fr.per_block_shared else "")
     lines.append(f"- whole-step compiles besides the analysis's: {len(fr.builtins) - 1} "
-                 f"built-ins, {fr.per_block_compiles} per-block plans, {spent} by the "
+                 f"built-ins, {fr.per_block_compiles} per-block plans{shared}, {spent} by the "
                  f"{len(fr.points)} planner points (`compiles`; a point without one took a "
                  "plan XLA measured at another budget of this run)")
     knee = fr.knee
