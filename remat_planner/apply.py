@@ -180,7 +180,7 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
         saved = tuple(dict.fromkeys((*seg.saved, *pins)))
         if seg.children:
             def body(*args, _seg=seg, _ins=ins, _outs=outs):
-                inner = dict(zip(_ins, args))
+                inner = program.region_env(_ins, args)
                 # (scan bodies: the weights arrive gathered; their children need no own)
                 run_segments(program, plan, _seg.children, inner, last, defs, pinned,
                              gathers if keep_gathered else None, keep_gathered=keep_gathered,

@@ -98,7 +98,7 @@ def sqrt_grouping_loss(loss_fn: Callable, params, batch: Sequence,
         ins, outs = stage_io(program, glo, ghi, last, defs)
 
         def body(*args):
-            env = dict(zip(ins, args))
+            env = program.region_env(ins, args)
             pos = glo
             for lo, hi in members:
                 eval_range(program, pos, lo, env)

@@ -331,13 +331,16 @@ class ChainModel:
 
 def stage_io(program: Program, start: int, stop: int, last=None, defs=None):
     """Input value ids (used in [start, stop), defined before) and output ids (defined in
-    it, used after it), both sorted."""
+    it, used after it), both sorted. The program's constants are not inputs: a replayed
+    region closes over them (make_segment_fn), so that XLA sees them as constants, as in
+    the user's own step, and a checkpoint keeps no copy of them as a residual."""
     last = last_uses(program) if last is None else last
     defs = definitions(program) if defs is None else defs
+    consts = program.consts
     ins, outs = set(), set()
     for e in program.eqns[start:stop]:
         for v in e.invars:
-            if isinstance(v, int) and defs[v] < start:
+            if isinstance(v, int) and defs[v] < start and v not in consts:
                 ins.add(v)
         for v in e.outvars:
             if last.get(v, -1) >= stop:
@@ -348,11 +351,12 @@ def stage_io(program: Program, start: int, stop: int, last=None, defs=None):
 def make_segment_fn(program: Program, start: int, stop: int, ins, outs,
                     tag: Sequence[int] = ()) -> Callable:
     """A function of `ins` values returning `outs` values that replays [start, stop);
-    values in `tag` are wrapped in checkpoint_name so a policy can keep them."""
+    values in `tag` are wrapped in checkpoint_name so a policy can keep them. The
+    program's constants are closed over, not arguments (stage_io)."""
     tag = frozenset(tag)
 
     def fn(*args):
-        env = dict(zip(ins, args))
+        env = program.region_env(ins, args)
         if tag:
             for e in program.eqns[start:stop]:
                 eval_eqn(e, env)

@@ -89,6 +89,14 @@ class Program:
         env.update(self.consts)
         return env
 
+    def region_env(self, ins, args) -> dict:
+        """The environment of a replayed region: its inputs `ins` bound to `args`, and the
+        program's constants, which a region closes over rather than takes as inputs
+        (memory.stage_io)."""
+        env = dict(self.consts)
+        env.update(zip(ins, args))
+        return env
+
     def output(self, env: dict):
         """The loss once `env` has been evaluated; `(loss, aux)` for a has_aux program."""
         vals = [v.val if isinstance(v, Literal) else env[v] for v in self.outvars]
