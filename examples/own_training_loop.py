@@ -77,15 +77,12 @@ def main(steps: int = 5) -> dict:
         losses.append(float(loss))
     print("losses:", ", ".join(f"{v:.4f}" for v in losses))
 
-    # 3. Or apply it by hand in Flax: which modules to nn.remat, with which policy.
-    names = plan.as_flax_names(analysis)
-    for entry in names:
-        if entry["remat"]:
-            print(f"nn.remat over {entry['modules']} with {entry['policy']}")
-    # 4. Or write it in your model's source: which blocks to wrap in nn.remat, with which
-    #    policy (a predicate on primitive and shapes; nothing inside the blocks is tagged).
+    # 3. Or write it in your model's source: which modules to wrap in nn.remat (none
+    #    inside another, in program order), each with a policy: a predicate on primitive
+    #    and shapes, so nothing inside the modules is tagged. The code to paste:
     exported = plan.to_flax(analysis, loss_fn, params_shape, (x_shape, y_shape))
-    print(exported)
+    print(exported.to_python(), end="")
+    # 4. Applied by hand: block i becomes nn.remat(ResidualBlock, policy=...), compiled.
     policies = tuple((i, exported.policy_for(f"block_{i}")) for i in range(model.depth)
                      if exported.policy_for(f"block_{i}") is not None)
     by_hand = ResidualMLP(remat_policies=policies)
@@ -96,8 +93,11 @@ def main(steps: int = 5) -> dict:
     m = rp.measure(hand_loss, params_shape, (x_shape, y_shape), optimizer)
     print(f"by hand: XLA peak {m.peak_bytes:,} B, {m.flops:,.0f} FLOPs "
           f"(replayed plan: {plan.measured_peak_bytes:,} B, {plan.measured_flops:,.0f} FLOPs)")
-    return {"plan": plan, "losses": losses, "budget": budget, "flax_names": names,
-            "exported": exported, "by_hand": m}
+    # plan.as_flax_names(analysis), the per-segment description of the plan (module lists
+    # that may overlap, keep rules as checkpoint names), is returned but not printed: the
+    # exported form above is what to write.
+    return {"plan": plan, "losses": losses, "budget": budget,
+            "flax_names": plan.as_flax_names(analysis), "exported": exported, "by_hand": m}
 
 
 if __name__ == "__main__":
