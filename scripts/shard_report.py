@@ -33,7 +33,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import remat_planner as rp
-    from remat_planner.budget import format_bytes_short as fb
+    from remat_planner.budget import units_of
     from remat_planner.config import build_workload, load_config, make_optimizer
     from remat_planner.errors import InfeasibleBudgetError
 
@@ -42,6 +42,12 @@ def main() -> None:
         cfg = cfg.model_copy(update={"model": {**cfg.model, "scan_layers": True}})
     wl, opt = build_workload(cfg), make_optimizer(cfg.optimizer)
     unsharded = rp.measure(wl.loss_fn, wl.abstract_params, wl.abstract_batch, opt)
+    # The budgets are byte counts (a fraction of the way from fixed memory to the unplanned
+    # peak), so every size is shown as for a budget given in bytes: in the default family,
+    # decimal (docs/guide.md; the CLI's units_of).
+    units = units_of(None)
+    fb = units.format
+    print(f"sizes in {units.example.split(' = ')[0]} ({units.example})")
     print(f"{args.config}{' (scan_layers: true)' if args.scan_layers else ''}, batch "
           f"{args.batch_size}: one device, no remat: "
           f"{fb(unsharded.peak_bytes)}")
@@ -55,6 +61,7 @@ def main() -> None:
                         sharding=scheme)
         nr = an.noremat
         budget = int(an.fixed.total + args.fraction * (nr.peak_bytes - an.fixed.total))
+        assert units_of(budget) is units
         try:
             p = rp.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, opt,
                         analysis=an)
