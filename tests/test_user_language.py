@@ -439,3 +439,32 @@ def test_plain_jax_code_is_named_by_what_it_computes():
     assert "eqns[" not in text
     assert "code outside any module (stage 0): dot_general, tanh" in text, text
     assert re.search(r"^loss \((mean|mean squared error)\)", text, re.M), text
+
+
+@pytest.mark.slow
+def test_the_example_prints_the_exported_flax_form(capsys):
+    """examples/own_training_loop.py prints what to write by hand (issue 20, point 5): the
+    policy functions and the blocks to wrap, one nn.remat per module, none overlapping;
+    not as_flax_names' 'nn.remat over [...]' module lists."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("own_training_loop_printed",
+                                                  ROOT / "examples/own_training_loop.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # Flax modules are dataclasses: they look themselves up
+    try:
+        spec.loader.exec_module(module)
+        result = module.main(steps=1)
+    finally:
+        sys.modules.pop(spec.name, None)
+    out = capsys.readouterr().out
+    exported = result["exported"]
+    assert exported.exact and exported.wraps
+    assert "nn.remat over" not in out
+    assert exported.to_python() in out
+    assert "def policy_0(prim, *avals, **params)" in out
+    wrapped = re.findall(r"^# (block_\d+): nn\.remat\(ResidualBlock, policy=policy_\d+\)", out,
+                         re.MULTILINE)
+    assert wrapped == [w.scope for w in exported.wraps]
+    assert len(set(wrapped)) == len(wrapped)
