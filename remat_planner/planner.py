@@ -9,6 +9,7 @@ rounds), so a plan is never returned as fitting when XLA says it does not.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable
 
 import jax
@@ -20,7 +21,7 @@ from .costmodel import CostModel, resolve as resolve_cost_model
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph, build_cost_graph
 from .graph import jaxpr_bytes, jaxpr_flops
-from .memory import (ChainModel, FixedMemory, fixed_memory, per_parameter_update,
+from .memory import (ChainModel, FixedMemory, StageProfile, fixed_memory, per_parameter_update,
                      profile_stages, scale_chain, simulate, stage_gradient_bytes,
                      weighted_chain, with_gathered_weights, with_stage_gradients)
 from .sharding import (ShardingSpec, collective_outputs, gathered_params, unpaired_kernels,
@@ -622,10 +623,14 @@ _NARROWER = {DOTS: (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING),
 
 def per_block_plans(chain: ChainModel) -> list[tuple[Segment, ...]]:
     """For each of PER_BLOCK_RULES, the plan that checkpoints every copy of a repeated
-    block whole under it and stores the rest: what `nn.remat(Block, policy=...)` gives."""
+    block whole under it and stores the rest: what `nn.remat(Block, policy=...)` gives.
+    A layer-stack scan stage gets the scheme doing the same inside the scan (`scan:NxR`,
+    R the whole-body checkpoint under the rule: _scan_whole_body), where it has one."""
     spans = {a: (c, profile) for a, c, profile in chain.spans}
+    scans = {k: s for k, s in enumerate(chain.stages)
+             if any(scan.is_scan_option(o.name) for o in s.options)}
     plans = []
-    for rule in PER_BLOCK_RULES if spans else ():
+    for rule in PER_BLOCK_RULES if spans or scans else ():
         segments, i = [], 0
         while i < chain.n:
             if i in spans:
@@ -634,12 +639,32 @@ def per_block_plans(chain: ChainModel) -> list[tuple[Segment, ...]]:
                 name = next(r for r in _NARROWER[rule] if r in names)
                 segments.append(Segment(i, c, name, profile.option(name).saved))
                 i = c
+            elif i in scans and (option := _scan_whole_body(scans[i], rule)) is not None:
+                segments.append(Segment(i, i + 1, option.name, option.saved))
+                i += 1
             else:
                 segments.append(Segment(i, i + 1, STORE))
                 i += 1
-        if tuple(segments) not in plans:
+        if any(s.option != STORE for s in segments) and tuple(segments) not in plans:
             plans.append(tuple(segments))
     return plans
+
+
+# Whole-body checkpoints of a scan body under each rule (scan.py's per-iteration plans):
+# `[rule]` for the dots rules; for nothing_saveable the region over the stored sub-stages.
+_SCAN_WHOLE = {NOTHING: ("(store|store)", "(store)"), DOTS_NO_BATCH: ("[dots_no_batch]",),
+               DOTS: ("[dots]", "[dots_narrow]", "[dots_no_batch]")}
+_SCAN_LAYERS = re.compile(rf"^{scan.SCAN_PREFIX}(\d+)x")
+
+
+def _scan_whole_body(stage: StageProfile, rule: str):
+    """The option of a layer-stack scan stage that checkpoints every iteration's whole
+    body under `rule` (one flat scan), as `nn.remat(Block, policy=...)` inside `nn.scan`
+    does; None when the stage has none (the profile dropped it, or no such plan)."""
+    by_name = {o.name: o for o in stage.options}
+    layers = next(m.group(1) for o in stage.options if (m := _SCAN_LAYERS.match(o.name)))
+    return next((by_name[name] for plan in _SCAN_WHOLE[rule]
+                 if (name := f"{scan.SCAN_PREFIX}{layers}x{plan}") in by_name), None)
 
 
 def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: list, loss_fn,
