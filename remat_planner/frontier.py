@@ -54,10 +54,11 @@ SWEEP_COMPILES = 1
 # the step's FLOPs, the point takes the measured plan and compiles nothing. The no-remat
 # end is always planned (nothing is recomputed there).
 FLAT_GAIN = 0.005
-# Whole-step compiles of the low end's retry at XLA's smallest feasible budget: the closed
-# loop's two rounds. The probes that would follow try plans the model puts over that
-# budget; at the low end none fitted (gpt2-tiny: 4 of 4 over; scanned gpt2-small: 3 of
-# 3 over, its 24.57% plan at 6.09 GB came from the second round), and each cost a compile.
+# Whole-step compiles of the low end's retry at XLA's smallest feasible budget (planner.plan's
+# max_compiles: its rounds and probes share them). Its first two found everything the
+# retry found with six: scanned gpt2-small's 24.57% plan at 6.09 GB came from the second
+# round, its 3 probes after it were over the budget; gpt2-tiny's 5 compiles were all over
+# (the plan XLA measured at the budget is the low end). Each more would cost a compile.
 LOW_END_COMPILES = 2
 
 Step = Callable[[str], None]
