@@ -46,7 +46,7 @@ BUILTIN = {NOTHING: "jax.checkpoint_policies.nothing_saveable",
 _RULE_WORDS = {NOTHING: "keeps only its inputs",
                DOTS_NO_BATCH: "keeps its projections (dot_general outputs without batch dims)",
                DOTS_NARROW: "keeps its projections and attention's probs @ values",
-               DOTS: "keeps every dot_general output"}
+               DOTS: "keeps every dot_general and convolution output"}
 
 Signature = tuple  # (primitive name, ((shape, dtype), ...) of operands, dimension numbers)
 

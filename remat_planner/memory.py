@@ -380,9 +380,12 @@ def _is_float(aval) -> bool:
 
 def _dot_outputs(program: Program, start: int, stop: int, rule: str) -> tuple[int, ...]:
     """Outputs of the stage's dot_generals that keep rule `rule` (DOTS_NO_BATCH, DOTS_NARROW
-    or DOTS) saves."""
+    or DOTS) saves; DOTS also keeps convolutions' outputs, as JAX's dots_saveable does."""
     picked = []
     for e in program.eqns[start:stop]:
+        if e.name == "conv_general_dilated" and rule == DOTS:
+            picked.extend(e.outvars)
+            continue
         if e.name != "dot_general":
             continue
         dims = e.params["dimension_numbers"]
@@ -417,11 +420,15 @@ def _structure_key(program: Program, start: int, stop: int, ins, outs) -> str:
 
 def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = True,
                    progress: Callable[[str], None] | None = None,
-                   pinned: frozenset[int] = frozenset()) -> ChainModel:
+                   pinned: frozenset[int] = frozenset(),
+                   forward_alone: bool = False) -> ChainModel:
     """Measure every stage's keep options, residual bytes and XLA workspace.
 
     `pinned` values (outputs of collectives in a sharded step, sharding.collective_outputs)
-    are kept by every checkpoint option: recomputing them would repeat communication."""
+    are kept by every checkpoint option: recomputing them would repeat communication.
+    With `forward_alone` the stages are whole blocks (a scan body as one stage,
+    scan.whole_body_chain): their forward workspace is their forward compiled alone, as
+    for the spans below."""
     last, defs = last_uses(program), definitions(program)
     free = program.free
     varying = varying_values(program)
@@ -438,12 +445,12 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
         # blocks before the first trainable parameter have no backward: not identical to later ones
         key = _structure_key(program, st.start, st.stop, ins, outs) + str(wrt)
         local_pins = _local_pins(program, st.start, st.stop, pinned)
-        key += str(local_pins)
+        key += str(local_pins) + ("|forward alone" if forward_alone else "")
         if key not in cache:
             if progress:
                 progress(f"profiling stage {k + 1}/{len(cost.stages)} {st.name}")
             cache[key] = _profile_one(program, st.start, st.stop, ins, outs, free, wrt, measure_xla,
-                                      pinned)
+                                      pinned, forward_alone=forward_alone)
         opts_local, wf, wb, local_names = cache[key]
         # Saved value ids are local to the first stage with this structure: map them over.
         mapping = _value_mapping(program, local_names, st.start, st.stop)

@@ -12,7 +12,7 @@ PLAN_FORMAT_VERSION = 1
 STORE = "store"            # no checkpoint: the backward keeps every residual it needs
 NOTHING = "nothing"        # checkpoint keeping only the segment's inputs
 DOTS_NO_BATCH = "dots_no_batch"  # ... plus outputs of dot_general without batch dims
-DOTS = "dots"              # ... plus outputs of every dot_general
+DOTS = "dots"              # ... plus outputs of every dot_general and convolution
 # ... plus outputs of dot_general without batch dims and of batched dot_generals whose
 # output is no larger than an operand: attention's probabilities @ values, not its scores
 DOTS_NARROW = "dots_narrow"

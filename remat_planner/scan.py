@@ -425,7 +425,7 @@ def whole_body_chain(body: Body, *, measure_xla: bool = True) -> ChainModel | No
     one = dataclasses.replace(body.cost, stages=(Stage(0, n, body.cost.stages[0].name,
                                                        body.cost.total_flops,
                                                        stage_bytes(body.cost.graph, 0, n)),))
-    chain = profile_stages(program, one, measure_xla=measure_xla)
+    chain = profile_stages(program, one, measure_xla=measure_xla, forward_alone=True)
     carry = program.invars[body.num_consts:body.num_consts + body.num_carry]
     out = sum(program.nbytes(v) for v in program.outvars if isinstance(v, int))
     return ChainModel(chain.stages, (sum(program.nbytes(v) for v in carry), int(out)))
