@@ -7,11 +7,14 @@ source (`nn.remat(Block, policy=...)`, as a user writes it), one fresh `rp.plan`
 fit (XLA's peak within the budget) and recompute no more than the built-in (XLA's FLOPs,
 within REUSE_TOLERANCE of the step's, below which XLA's fusion decides). The plan at the
 tightest of those budgets must give the unplanned step's gradients. Those two compile
-dozens of steps per model and run with `-m extended`; the stage finder's check runs
-always.
+dozens of steps per model and run in CI's slow part (`-m slow`); the stage finder's check
+runs always. Where the planner does not yet meet the rule, the case is a strict xfail
+whose reason gives the measured figures (KNOWN_MISSES), so that a fix shows.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import numpy as np
@@ -38,13 +41,43 @@ def _measure(m: corpus.CorpusModel, loss_fn) -> rp.Measurement:
     return rp.measure(loss_fn, m.params, m.batch, m.optimizer, has_aux=m.has_aux)
 
 
-@pytest.fixture(scope="module", params=list(corpus.MODELS))
-def measured(request):
+# (model, built-in) cases where one fresh rp.plan call does not yet fit the built-in's
+# peak and recompute no more, with what was measured (jax 0.10.2, 2-core CPU).
+KNOWN_MISSES = {
+    ("unet", "nothing_saveable"): "the U-Net's stages are cut inside its blocks (blocks of "
+        "different widths are not found as repeats): at the built-in's 3,445,980 B the "
+        "smallest plan the model finds is predicted at 4.02 MB",
+    ("unet", "dots_with_no_batch_dims_saveable"): "as nothing_saveable (the same peak: "
+        "convolutions are not dots without batch dims)",
+    ("unet", "dots_saveable"): "at the built-in's 4,036,204 B every plan tried measured "
+        "over (lowest 4,413,924 B)",
+    ("cnn_bn", "dots_saveable"): "at the built-in's 4,526,384 B (-0.25% overhead) the plan "
+        "fits at 4,492,176 B but recomputes -0.10%; keeping every stage's convolution "
+        "outputs measures 4,571,408 B (-0.39%), over the budget",
+    ("scan_lm", "dots_with_no_batch_dims_saveable"): "the same whole-body scheme "
+        "(scan:6x[dots_no_batch]) has nn.remat's residuals and a smaller live set at XLA's "
+        "peak, yet XLA's buffer assignment gives it 104,896 B more temp (5,906,328 B "
+        "against 5,801,432 B); the plan that fits recomputes 12.75% against 3.45%",
+    ("scan_lm", "dots_saveable"): "as dots_with_no_batch_dims_saveable: scan:6x[dots] "
+        "measures 6,217,640 B against nn.remat's 6,128,616 B; the plan that fits "
+        "recomputes 2.11% against 0.83%",
+}
+CASES = [pytest.param(model, policy, id=f"{model}-{policy}",
+                      marks=[pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[model, policy])]
+                      if (model, policy) in KNOWN_MISSES else [])
+         for model in corpus.MODELS for policy in POLICIES]
+# The gradient check plans at the tightest built-in peak; where that is a known miss, at
+# 90% of the step without remat.
+_NO_BUILTIN_BUDGET = frozenset({"unet"})
+
+
+@functools.cache
+def measured(name: str):
     """The model, XLA's figures without remat, and with each built-in policy per block."""
-    m = corpus.get(request.param)
+    m = corpus.get(name)
     base = _measure(m, m.loss_fn)
-    builtins = {name: _measure(m, m.make_remat_loss((policy,) * m.n_blocks))
-                for name, policy in POLICIES.items()} if m.n_blocks else {}
+    builtins = {policy: _measure(m, m.make_remat_loss((fn,) * m.n_blocks))
+                for policy, fn in POLICIES.items()} if m.n_blocks else {}
     return m, base, builtins
 
 
@@ -62,26 +95,27 @@ def test_blocks_found_from_dataflow(name):
     assert len(block_ranges(program)) == m.n_blocks
 
 
-@pytest.mark.extended  # issue 18's acceptance check; not yet met on every corpus model
-def test_never_worse_than_a_builtin_policy(measured):
-    m, base, builtins = measured
-    if not builtins:
-        pytest.skip("no repeated blocks")
-    tolerance = REUSE_TOLERANCE * base.flops
-    report = []
-    for name, builtin in builtins.items():
-        budget = builtin.peak_bytes
-        plan = rp.plan(m.loss_fn, m.params, m.batch, budget, m.optimizer, has_aux=m.has_aux)
-        report.append(f"{name}: budget {budget}, plan {plan.measured_peak_bytes} "
-                      f"{plan.measured_flops / base.flops - 1:.4%} vs {builtin.flops / base.flops - 1:.4%}")
-        assert plan.measured_peak_bytes <= budget, report
-        assert plan.measured_flops <= builtin.flops + tolerance, report
+@pytest.mark.slow
+@pytest.mark.parametrize("name,policy", CASES)
+def test_never_worse_than_a_builtin_policy(name, policy):
+    m, base, builtins = measured(name)
+    builtin = builtins[policy]
+    budget = builtin.peak_bytes
+    plan = rp.plan(m.loss_fn, m.params, m.batch, budget, m.optimizer, has_aux=m.has_aux)
+    report = (f"{name} at {policy}'s peak {budget}: plan {plan.measured_peak_bytes} B "
+              f"{plan.measured_flops / base.flops - 1:.4%} vs {builtin.flops / base.flops - 1:.4%}")
+    assert plan.measured_peak_bytes <= budget, report
+    assert plan.measured_flops <= builtin.flops + REUSE_TOLERANCE * base.flops, report
 
 
-@pytest.mark.extended
-def test_planned_gradients_equal_unplanned(measured):
-    m, base, builtins = measured
-    budget = min((b.peak_bytes for b in builtins.values()), default=(base.peak_bytes * 9) // 10)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(corpus.MODELS))
+def test_planned_gradients_equal_unplanned(name):
+    m, base, builtins = measured(name)
+    if name in _NO_BUILTIN_BUDGET:
+        budget = base.peak_bytes * 9 // 10
+    else:
+        budget = min(b.peak_bytes for b in builtins.values())
     plan = rp.plan(m.loss_fn, m.params, m.batch, budget, m.optimizer, has_aux=m.has_aux)
     assert plan.measured_peak_bytes <= budget
     params, batch = m.init(jax.random.key(0))
