@@ -22,6 +22,15 @@ POLICIES = (jax.checkpoint_policies.nothing_saveable,
 pytestmark = pytest.mark.slow
 
 
+def _xla_peak(m, an, segments) -> int:
+    """XLA's peak of the step with `segments` replayed on the corpus model `m`."""
+    loss = rp.Plan(segments=segments, stages=an.stage_infos,
+                   fingerprint=an.program.fingerprint(), budget_bytes=0,
+                   predicted_peak_bytes=0, recompute_flops=0.0,
+                   fixed_bytes=an.fixed.total, step_flops=an.step_flops).apply(m.loss_fn)
+    return rp.measure(loss, m.params, m.batch, m.optimizer).peak_bytes
+
+
 @pytest.fixture(scope="module")
 def plain_jax():
     m = corpus.get("plain_jax")
@@ -38,11 +47,7 @@ def test_whole_block_checkpoints_predicted_within_3pct(plain_jax):
     assert len(plans) == 3
     for segments in plans:
         predicted = an.predicted_peak(simulate(an.chain, segments)[0])
-        loss = rp.Plan(segments=segments, stages=an.stage_infos,
-                       fingerprint=an.program.fingerprint(), budget_bytes=0,
-                       predicted_peak_bytes=predicted, recompute_flops=0.0,
-                       fixed_bytes=an.fixed.total, step_flops=an.step_flops).apply(m.loss_fn)
-        xla = rp.measure(loss, m.params, m.batch, m.optimizer).peak_bytes
+        xla = _xla_peak(m, an, segments)
         assert abs(predicted / xla - 1) < 0.03, (segments[1].option, predicted, xla)
 
 
@@ -81,11 +86,7 @@ def test_a_layer_stack_scan_is_calibrated(scan_lm):
     segments = tuple(rp.Segment(i, i + 1, flat[0] if i == k else "store")
                      for i in range(an.chain.n))
     predicted = an.predicted_peak(simulate(an.chain_for(segments), segments)[0])
-    loss = rp.Plan(segments=segments, stages=an.stage_infos,
-                   fingerprint=an.program.fingerprint(), budget_bytes=0,
-                   predicted_peak_bytes=predicted, recompute_flops=0.0,
-                   fixed_bytes=an.fixed.total, step_flops=an.step_flops).apply(m.loss_fn)
-    xla = rp.measure(loss, m.params, m.batch, m.optimizer).peak_bytes
+    xla = _xla_peak(m, an, segments)
     assert abs(predicted / xla - 1) < 0.03, (flat[0], predicted, xla)
 
 
@@ -119,9 +120,5 @@ def test_mixed_scan_iterations_predicted_within_3pct(scan_lm):
                                     options[name].saved if i == k else ())
                          for i in range(an.chain.n))
         predicted = an.predicted_peak(simulate(an.chain_for(segments), segments)[0])
-        loss = rp.Plan(segments=segments, stages=an.stage_infos,
-                       fingerprint=an.program.fingerprint(), budget_bytes=0,
-                       predicted_peak_bytes=predicted, recompute_flops=0.0,
-                       fixed_bytes=an.fixed.total, step_flops=an.step_flops).apply(m.loss_fn)
-        xla = rp.measure(loss, m.params, m.batch, m.optimizer).peak_bytes
+        xla = _xla_peak(m, an, segments)
         assert abs(predicted / xla - 1) < 0.03, (name, predicted, xla)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
-import sys
 
 import pytest
 
+from example_runner import run_example
 from remat_planner import planner as pl
 from remat_planner.cli import main
 from remat_planner.config import build_workload, load_config, make_optimizer
@@ -76,15 +75,7 @@ def test_explain_bad_budget_exits_2(capsys):
 
 
 def test_guide_example_runs():
-    spec = importlib.util.spec_from_file_location("own_training_loop",
-                                                  ROOT / "examples/own_training_loop.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # Flax modules are dataclasses: they look themselves up
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop(spec.name, None)
-    result = module.main(steps=5)
+    result = run_example(steps=5)
     plan = result["plan"]
     assert plan.measured_peak_bytes <= result["budget"]
     assert result["losses"][-1] < result["losses"][0]

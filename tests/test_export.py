@@ -319,18 +319,9 @@ def test_the_example_plans_whole_blocks_and_its_hand_written_form_matches():
     """examples/own_training_loop.py writes its blocks as modules: the planner's own plan
     (rp.plan, not module_plan) exports exactly, and the example's nn.remat form compiles to
     the replay's XLA peak and FLOPs."""
-    import importlib.util
-    import pathlib
-    import sys
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples/own_training_loop.py"
-    spec = importlib.util.spec_from_file_location("own_training_loop_export", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # Flax modules are dataclasses: they look themselves up
-    try:
-        spec.loader.exec_module(module)
-        result = module.main(steps=1)
-    finally:
-        sys.modules.pop(spec.name, None)
+    from example_runner import run_example
+
+    result = run_example(steps=1, name="own_training_loop_export")
     plan, exported, hand = result["plan"], result["exported"], result["by_hand"]
     assert exported.exact and exported.wraps
     assert all(w.class_name == "ResidualBlock" for w in exported.wraps)

@@ -446,18 +446,9 @@ def test_the_example_prints_the_exported_flax_form(capsys):
     """examples/own_training_loop.py prints what to write by hand (issue 20, point 5): the
     policy functions and the blocks to wrap, one nn.remat per module, none overlapping;
     not as_flax_names' 'nn.remat over [...]' module lists."""
-    import importlib.util
-    import sys
+    from example_runner import run_example
 
-    spec = importlib.util.spec_from_file_location("own_training_loop_printed",
-                                                  ROOT / "examples/own_training_loop.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # Flax modules are dataclasses: they look themselves up
-    try:
-        spec.loader.exec_module(module)
-        result = module.main(steps=1)
-    finally:
-        sys.modules.pop(spec.name, None)
+    result = run_example(steps=1, name="own_training_loop_printed")
     out = capsys.readouterr().out
     exported = result["exported"]
     assert exported.exact and exported.wraps
