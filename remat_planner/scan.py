@@ -650,14 +650,17 @@ def mixed_plan(stack: LayerStack, names: Sequence[str]) -> IterationPlan:
 
 def mixed_cotangent_bytes(stack: LayerStack, g: int) -> int:
     """What the backward of an iteration running g > 1 layers holds besides its layers'
-    own peaks: the cotangent of the iteration's g-layer parameter slice and its copy into
-    the stacked gradient, 2 g layers' parameters, less the one layer's cotangent that a
-    single layer's measured peak already holds. Measured on a 12-layer plain-JAX scan
-    (d 256): XLA's temp over the flat scan's is 2.9, 4.9, 6.9 and 10.9 layers' parameters
-    at g = 2, 3, 4 and 6, against 2 g - 1 = 3, 5, 7 and 11. On the corpus scan_lm
-    (tests/test_closed_loop.py) schemes of 3 and 6 layers an iteration are then predicted
-    +5.7% and -12.5% from XLA (-7 to -11% and -31 to -38% without the term): the term is
-    the mechanism's first order, not the whole of it."""
+    own peaks, as the model charges it: 2 g - 1 layers' parameters (the cotangent of the
+    iteration's g-layer parameter slice and its copy into the stacked gradient, less the
+    one layer's that a single layer's measured peak already holds).
+
+    Measured on the test corpus's scan_lm (nn.scan over 6 blocks, tests/test_closed_loop.py):
+    XLA held 2.3-2.6 layers' parameters more than the model without the term at g = 2 and
+    2.9-4.4 at g = 3; with it two such schemes are predicted +1.1% and +1.5% from XLA.
+    This is a first-order charge, not the whole mechanism: in a plain-JAX stack
+    (scripts/jax_facts.py, docs/jax-facts.md fact 4) the temp grows by about 3 layers'
+    parameters per layer added to an iteration from g = 2 on, while g = 1 holds more than
+    g = 2."""
     return (2 * g - 1) * stack.xs_bytes if g > 1 else 0
 
 
