@@ -446,11 +446,16 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     failed_target: int | None = None
     tried = [solution.segments]
     lowest_peak = None
-    # The last compile is kept for the per-block probe when there are per-block plans:
-    # a plan that recomputes no more than nn.remat(Block, policy) must get its compile
-    # (on the corpus hf_gpt2 at dots_saveable's peak, four rounds used every compile and
-    # the per-block plan that fits was never measured: 6.82% against the built-in's 6.54%).
-    reserve = 1 if per_block_plans(an.chain) else 0
+    # The last compile is kept for the per-block probe when a per-block plan is within its
+    # reach (the model within PER_BLOCK_MARGIN of the budget): a plan that recomputes no
+    # more than nn.remat(Block, policy) must get its compile (on the corpus hf_gpt2 at
+    # dots_saveable's peak, four rounds used every compile and the per-block plan that
+    # fits was never measured: 6.82% against the built-in's 6.54%). Far from every
+    # per-block plan the rounds keep it (scanned gpt2-small at the frontier's low end:
+    # 49.46% with one round, 24.57% with two).
+    reserve = int(any(an.predicted_peak(simulate(an.chain, segments)[0])
+                      <= budget_bytes * (1 + PER_BLOCK_MARGIN)
+                      for segments in per_block_plans(an.chain)))
     for round_ in range(max_rounds):
         p = _make_plan(an, solution, budget_bytes, params, batch, correction, costs=costs)
         if (round_ > 0 and compiles.left <= reserve
