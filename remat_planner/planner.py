@@ -664,9 +664,10 @@ def per_block_plans(chain: ChainModel) -> list[tuple[Segment, ...]]:
     return plans
 
 
-# Whole-body checkpoints of a scan body under each rule (scan.py's per-iteration plans):
-# `[rule]` for the dots rules; for nothing_saveable the region over the stored sub-stages.
-_SCAN_WHOLE = {NOTHING: ("(store|store)", "(store)"), DOTS_NO_BATCH: ("[dots_no_batch]",),
+# Whole-body checkpoints of a scan body under each dots rule (scan.py's `[rule]`
+# per-iteration plans). nothing_saveable has none: a flat scheme checkpointing each
+# sub-stage (`nothing|nothing`) recomputes the same and the solver has it already.
+_SCAN_WHOLE = {NOTHING: (), DOTS_NO_BATCH: ("[dots_no_batch]",),
                DOTS: ("[dots]", "[dots_narrow]", "[dots_no_batch]")}
 _SCAN_LAYERS = re.compile(rf"^{scan.SCAN_PREFIX}(\d+)x")
 
