@@ -125,7 +125,7 @@ def _by_key(lines) -> dict[str, str]:
 
 def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env: dict,
                  last: dict, defs: dict, pinned: frozenset[int] = frozenset(),
-                 gathers: dict | None = None, *, keep_gathered: bool = True,
+                 gathers: dict | None = None, *, in_scan: bool = False,
                  scan_sharding=None) -> None:
     """Evaluate `segments` in order on `env`, checkpointing the checkpointed ones.
 
@@ -137,8 +137,11 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
     gathered weights by name, so its recomputation in the backward does not all-gather
     them again; nested segments receive them gathered.
 
-    With `keep_gathered=False` (inside a scan body, sharding.scan_body_shardings) the
-    gathered weight matrices are never kept: every segment using them, checkpointed or
+    With `in_scan=True` (a layer-stack scan's body, scan.Body.step) every checkpoint is
+    made with `prevent_cse=False`, as `nn.remat` inside `nn.scan` is: the scan already
+    keeps XLA from merging the recomputation with the forward, and the CSE barriers of
+    the default cost memory there (docs/jax-facts.md, fact 5). And (sharded,
+    sharding.scan_body_shardings) the gathered weight matrices are never kept: every segment using them, checkpointed or
     not, gathers them inside a checkpoint that does not save them, so the backward gathers
     each once more instead of stacking every iteration's gathered weights (gathered
     vectors, biases and norm scales, are kept: see _vectors). `scan_sharding` (a
@@ -157,7 +160,7 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
                 # planned one partition alike and differ only by their recomputation.
                 ins, outs = stage_io(program, lo, hi, last, defs)
                 to_gather = [i for i, v in enumerate(ins) if v in gathers]
-                if to_gather and not keep_gathered:
+                if to_gather and in_scan:
                     # Stored, but what depends on the weights alone (the gathered weights,
                     # their casts) is computed again in the backward, not kept: everything
                     # else is tagged and kept by name.
@@ -165,7 +168,8 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
                         program, lo, hi, {ins[i] for i in to_gather}))))
                     fn = _gathering(make_segment_fn(program, lo, hi, ins, outs, tag=keep),
                                     ins, to_gather, gathers)
-                    fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(
+                    fn = jax.checkpoint(fn, prevent_cse=False,  # in a scan body
+                                        policy=jax.checkpoint_policies.save_only_these_names(
                         *[value_name(v) for v in keep],
                         *[gather_name(ins[i]) for i in _vectors(program, ins, to_gather)]))
                 else:
@@ -183,7 +187,7 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
                 inner = program.region_env(_ins, args)
                 # (scan bodies: the weights arrive gathered; their children need no own)
                 run_segments(program, plan, _seg.children, inner, last, defs, pinned,
-                             gathers if keep_gathered else None, keep_gathered=keep_gathered,
+                             None if in_scan else gathers, in_scan=in_scan,
                              scan_sharding=scan_sharding)
                 return [inner[v] for v in _outs]
         else:
@@ -191,11 +195,12 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
         names = [value_name(v) for v in saved]
         to_gather = [i for i, v in enumerate(ins) if v in gathers]
         if to_gather:
-            kept = to_gather if keep_gathered else _vectors(program, ins, to_gather)
+            kept = _vectors(program, ins, to_gather) if in_scan else to_gather
             names += [gather_name(ins[i]) for i in kept]
             body = _gathering(body, ins, to_gather, gathers)
         policy = jax.checkpoint_policies.save_only_these_names(*names)
-        results = jax.checkpoint(body, policy=policy)(*[env[v] for v in ins])
+        results = jax.checkpoint(body, policy=policy, prevent_cse=not in_scan)(
+            *[env[v] for v in ins])
         env.update(zip(outs, results))
 
 

@@ -322,12 +322,12 @@ class Body:
                 from .apply import run_segments
                 last, defs = _body_uses(self)
                 run_segments(body, self, segments, env, last, defs, pinned, regather,
-                             keep_gathered=False)
+                             in_scan=True)
             return [jnp.asarray(v.val, a.dtype) if isinstance(v, Literal)
                     else env[v][take] if take is not None and v in xs_ids else env[v]
                     for v, a in zip(outs, body.avals_out)]
 
-        f = fn if jax_policy is None else jax.checkpoint(fn, policy=jax_policy)
+        f = fn if jax_policy is None else jax.checkpoint(fn, policy=jax_policy, prevent_cse=False)
 
         def it(consts, carry, x):
             out = f(*consts, *carry, *x)
@@ -656,9 +656,10 @@ def mixed_cotangent_bytes(stack: LayerStack, g: int) -> int:
 
     Measured on the test corpus's scan_lm (nn.scan over 6 blocks, tests/test_closed_loop.py):
     XLA held 2.3-2.6 layers' parameters more than the model without the term at g = 2 and
-    2.9-4.4 at g = 3; with it two such schemes are predicted +1.1% and +1.5% from XLA.
+    2.9-4.4 at g = 3; with it two such schemes are predicted -0.04% and -0.6% from XLA
+    (with the replay's prevent_cse=False, fact 5; +1.1% and +1.5% before it).
     This is a first-order charge, not the whole mechanism: in a plain-JAX stack
-    (scripts/jax_facts.py, docs/jax-facts.md fact 4) the temp grows by about 3 layers'
+    (scripts/jax_facts.py, docs/jax-facts.md fact 4) the temp grows by about 2 layers'
     parameters per layer added to an iteration from g = 2 on, while g = 1 holds more than
     g = 2."""
     return (2 * g - 1) * stack.xs_bytes if g > 1 else 0
@@ -1001,7 +1002,7 @@ def _nested_scan(it: Callable, carry, xs, groups: tuple[int, ...]):
         raise ValueError("a nested scan needs xs to size its groups")
     grouped = [x.reshape((n // k, k, *x.shape[1:])) for x in xs]
 
-    @jax.checkpoint
+    @functools.partial(jax.checkpoint, prevent_cse=False)  # in a scan: see run_segments
     def group(c, xg):
         return _nested_scan(it, c, xg, groups[1:])
 

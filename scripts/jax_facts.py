@@ -12,6 +12,10 @@ Everything is compiled on abstract shapes (nothing allocated) and read from XLA'
 3. In a donated optax step, XLA applies each parameter's update once its gradient is
    complete, so gradients are not all live at once; an update that reads every
    gradient (clip_by_global_norm) holds them all (memory.per_parameter_update).
+4. A scan iteration of g > 1 layers holds its parameter cotangent
+   (scan.mixed_cotangent_bytes).
+5. `prevent_cse` on a checkpoint inside a scan changes XLA's buffer assignment, so the
+   scan replay uses what scanned layer stacks are written with (apply.run_segments).
 """
 
 from __future__ import annotations
@@ -144,11 +148,13 @@ def fact_mixed_scan_iterations() -> list[str]:
     opt = optax.adamw(1e-3)
     state = jax.eval_shape(opt.init, stacked)
     temps = {}
-    for g in (1, 2, 3, 4, 6):
-        def loss(w, x, g=g):
+    for g, prevent_cse in ((1, True), (1, False), (2, False), (3, False), (4, False),
+                           (6, False)):
+        def loss(w, x, g=g, prevent_cse=prevent_cse):
             def body(h, wg):
                 for j in range(g):
-                    h = jax.checkpoint(lambda wg, h, j=j: layer(wg[j], h))(wg, h)
+                    h = jax.checkpoint(lambda wg, h, j=j: layer(wg[j], h),
+                                       prevent_cse=prevent_cse)(wg, h)
                 return h, None
             h, _ = jax.lax.scan(body, x, w.reshape(n // g, g, d, d))
             return jnp.sum(h ** 2)
@@ -159,12 +165,54 @@ def fact_mixed_scan_iterations() -> list[str]:
             return optax.apply_updates(w, updates), state
 
         c = _compile(step, stacked, state, x, options=REMAT_OPTION, donate=(0, 1))
-        temps[g] = c.memory_analysis().temp_size_in_bytes
-    rows_out = [f"| {g} | {n // g} | {temps[g] / MIB:.2f} | "
-                f"{(temps[g] - temps[1]) / layer_bytes:.1f} | {2 * g - 1 if g > 1 else 0} |"
-                for g in temps]
-    return ["| layers per iteration g | iterations | temp MiB | temp over g = 1, in layers' "
-            "weights | 2 g - 1 |", "|---|---|---|---|---|", *rows_out]
+        temps[g, prevent_cse] = c.memory_analysis().temp_size_in_bytes
+    flat = temps[1, False]
+    rows_out = [f"| {g} | {prevent_cse} | {n // g} | {t / MIB:.2f} | "
+                f"{(t - flat) / layer_bytes:.1f} | {2 * g - 1 if g > 1 else 0} |"
+                for (g, prevent_cse), t in temps.items()]
+    return ["| layers per iteration g | prevent_cse | iterations | temp MiB | temp over g = 1 "
+            "(prevent_cse off), in layers' weights | 2 g - 1 |", "|---|---|---|---|---|---|",
+            *rows_out]
+
+
+def fact_prevent_cse_in_scan() -> list[str]:
+    """A 6-layer attention-and-MLP stack as one lax.scan, the body checkpointed under each
+    built-in policy with prevent_cse on (jax.checkpoint's default) and off (what a scanned
+    layer stack is written with, and what the planner's scan replay uses)."""
+    n, d = 6, 64
+    policies = jax.checkpoint_policies
+
+    def layer(w, h):
+        w1, w2 = w
+        a = jax.nn.softmax(jnp.einsum("bsd,btd->bst", h, h) / 8.0, axis=-1)
+        h = h + jnp.einsum("bst,btd->bsd", a, h)
+        return h + jnp.tanh(h @ w1) @ w2
+
+    x = jax.ShapeDtypeStruct((2, 32, d), jnp.float32)
+    w = (jax.ShapeDtypeStruct((n, d, 2 * d), jnp.float32),
+         jax.ShapeDtypeStruct((n, 2 * d, d), jnp.float32))
+    opt = optax.adamw(1e-3)
+    state = jax.eval_shape(opt.init, w)
+    rows = []
+    for name in ("nothing_saveable", "dots_with_no_batch_dims_saveable", "dots_saveable"):
+        temps = []
+        for prevent_cse in (True, False):
+            def loss(w, x, name=name, prevent_cse=prevent_cse):
+                f = jax.checkpoint(layer, policy=getattr(policies, name),
+                                   prevent_cse=prevent_cse)
+                h, _ = jax.lax.scan(lambda h, wl: (f(wl, h), None), x, w)
+                return jnp.sum(h ** 2)
+
+            def step(w, state, x, loss=loss):
+                updates, state = opt.update(jax.grad(loss)(w, x), state, w)
+                return optax.apply_updates(w, updates), state
+
+            c = _compile(step, w, state, x, options=REMAT_OPTION, donate=(0, 1))
+            temps.append(c.memory_analysis().temp_size_in_bytes)
+        rows.append(f"| {name} | {temps[0]:,} | {temps[1]:,} | "
+                    f"{temps[1] / temps[0] - 1:+.1%} |")
+    return ["| policy on the scan body | temp B, prevent_cse on | temp B, off | off vs on |",
+            "|---|---|---|---|", *rows]
 
 
 def main() -> None:
@@ -174,7 +222,9 @@ def main() -> None:
                         ("3. Gradient lifetimes in a donated optax step",
                          fact_gradient_lifetimes),
                         ("4. A scan iteration of g layers holds its parameter cotangent",
-                         fact_mixed_scan_iterations)):
+                         fact_mixed_scan_iterations),
+                        ("5. prevent_cse inside a scan changes XLA's buffer assignment",
+                         fact_prevent_cse_in_scan)):
         print(f"## {title}\n")
         print("\n".join(fact()) + "\n", flush=True)
 

@@ -54,13 +54,6 @@ KNOWN_MISSES = {
     ("cnn_bn", "dots_saveable"): "at the built-in's 4,526,384 B (-0.25% overhead) the plan "
         "fits at 4,492,176 B but recomputes -0.10%; keeping every stage's convolution "
         "outputs measures 4,571,408 B (-0.39%), over the budget",
-    ("scan_lm", "dots_with_no_batch_dims_saveable"): "the same whole-body scheme "
-        "(scan:6x[dots_no_batch]) has nn.remat's residuals and a smaller live set at XLA's "
-        "peak, yet XLA's buffer assignment gives it 104,896 B more temp (5,906,328 B "
-        "against 5,801,432 B); the plan that fits recomputes 12.75% against 3.45%",
-    ("scan_lm", "dots_saveable"): "as dots_with_no_batch_dims_saveable: scan:6x[dots] "
-        "measures 6,217,640 B against nn.remat's 6,128,616 B; the plan that fits "
-        "recomputes 2.11% against 0.83%",
 }
 CASES = [pytest.param(model, policy, id=f"{model}-{policy}",
                       marks=[pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[model, policy])]
