@@ -137,11 +137,15 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
     gathered weights by name, so its recomputation in the backward does not all-gather
     them again; nested segments receive them gathered.
 
-    With `in_scan=True` (a layer-stack scan's body, scan.Body.step) every checkpoint is
-    made with `prevent_cse=False`, as `nn.remat` inside `nn.scan` is: the scan already
-    keeps XLA from merging the recomputation with the forward, and the CSE barriers of
-    the default cost memory there (docs/jax-facts.md, fact 5). And (sharded,
-    sharding.scan_body_shardings) the gathered weight matrices are never kept: every segment using them, checkpointed or
+    With `in_scan=True` (a layer-stack scan's body, scan.Body.step), a checkpoint over
+    the whole body (what `nn.remat(Block)` inside `nn.scan` makes) has
+    `prevent_cse=False`, as scanned layer stacks are written: the scan already keeps XLA
+    from merging the recomputation with the forward, and the barriers change XLA's
+    buffer assignment (docs/jax-facts.md, fact 5). Every other checkpoint keeps JAX's
+    default: with prevent_cse=False on every checkpoint of the schemes, XLA's peaks grew
+    on the real-size scanned configs (the README's bert-base row went from 1.64% to
+    35.4% recompute, fact 5). And (sharded, sharding.scan_body_shardings) the gathered weight
+    matrices are never kept: every segment using them, checkpointed or
     not, gathers them inside a checkpoint that does not save them, so the backward gathers
     each once more instead of stacking every iteration's gathered weights (gathered
     vectors, biases and norm scales, are kept: see _vectors). `scan_sharding` (a
@@ -168,8 +172,7 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
                         program, lo, hi, {ins[i] for i in to_gather}))))
                     fn = _gathering(make_segment_fn(program, lo, hi, ins, outs, tag=keep),
                                     ins, to_gather, gathers)
-                    fn = jax.checkpoint(fn, prevent_cse=False,  # in a scan body
-                                        policy=jax.checkpoint_policies.save_only_these_names(
+                    fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(
                         *[value_name(v) for v in keep],
                         *[gather_name(ins[i]) for i in _vectors(program, ins, to_gather)]))
                 else:
@@ -199,7 +202,8 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
             names += [gather_name(ins[i]) for i in kept]
             body = _gathering(body, ins, to_gather, gathers)
         policy = jax.checkpoint_policies.save_only_these_names(*names)
-        results = jax.checkpoint(body, policy=policy, prevent_cse=not in_scan)(
+        whole_body = in_scan and lo == 0 and hi == len(program.eqns) and not seg.children
+        results = jax.checkpoint(body, policy=policy, prevent_cse=not whole_body)(
             *[env[v] for v in ins])
         env.update(zip(outs, results))
 

@@ -1002,7 +1002,7 @@ def _nested_scan(it: Callable, carry, xs, groups: tuple[int, ...]):
         raise ValueError("a nested scan needs xs to size its groups")
     grouped = [x.reshape((n // k, k, *x.shape[1:])) for x in xs]
 
-    @functools.partial(jax.checkpoint, prevent_cse=False)  # in a scan: see run_segments
+    @jax.checkpoint
     def group(c, xg):
         return _nested_scan(it, c, xg, groups[1:])
 
