@@ -2,16 +2,19 @@
 built-in policies, all measured in one run through the same path.
 
 `sweep()` analyses the step once (planner.analyze, calibrated), measures every built-in
-comparison point (baselines.py) and the planner's per-block plans (a per-block plan whose
-step lowers to the same XLA program as a built-in's takes its measurement), plans at budgets
-spaced geometrically from the smallest feasible one to the no-remat peak, and plans
-again at each built-in point's XLA peak. Every plan is verified by the closed loop
-(planner.plan compiles it; one compile per call, SWEEP_COMPILES, but for the low end's
-retry and a comparison the planner loses, as every call reuses the plans XLA measured on
-the shared analysis); every figure is verify.measure's: XLA's
-memory_analysis peak and the FLOPs of the donated optimizer step compiled with the CPU
-option that keeps remat. Each point ends with the cheapest plan XLA measured in the run
-within its budget. Overhead is (FLOPs - no-remat FLOPs) / no-remat FLOPs.
+comparison point (baselines.py; on a worker thread while the analysis runs) and the
+planner's per-block plans (a per-block plan whose step lowers to the same XLA program as a
+built-in's takes its measurement), plans at budgets spaced geometrically from the
+smallest feasible one to the no-remat peak, and plans again at each built-in point's XLA
+peak. The low end and the no-remat end are planned by planner.plan's closed loop; every
+other point compiles at most one plan (_shot, SWEEP_COMPILES): the model's plan at its
+budget less the model error XLA measured on the plan before, none where the frontier is
+flat (FLAT_GAIN), and two consecutive points' plans compile side by side (_shots); a
+comparison the planner loses is planned again with a whole plan() call. Every figure is
+verify.measure's: XLA's memory_analysis peak and the FLOPs of the donated optimizer step
+compiled with the CPU option that keeps remat. Each point ends with the cheapest plan XLA
+measured in the run within its budget. Overhead is (FLOPs - no-remat FLOPs) / no-remat
+FLOPs.
 
 Writers: `write_csv`, `write_markdown`, `plot` (matplotlib, Agg). A row is
 `Point.row()`; a later column (e.g. predicted time) is one more field there and in
@@ -26,6 +29,7 @@ import datetime
 import hashlib
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import jax
@@ -39,20 +43,24 @@ from .verify import abstract, as_batch, make_step, measure
 fb = DEFAULT_UNITS.format  # progress messages; the files take the units they are given
 
 MIN_POINTS = 12
-# Whole-step compiles each planner call of a sweep may make (planner.plan's
-# max_compiles; a single plan() call verifies with up to planner.MAX_VERIFY_COMPILES,
-# 4). The sweep's points share one analysis, so a plan XLA measured at one budget is
-# reused at every other (planner._cheaper_verified, and _reuse_verified over every
-# point at the end of sweep()); a compile is most of a point's time (gpt2-tiny: ~1.9 s
-# on 2 busy CPU cores, gpt2-small: ~3-4 s). A point gets the closed loop's first round: the model's plan at
-# its budget, checked by XLA; the per-block plans (_measure_per_block) and the plans of
-# the other points are its alternatives.
+# Whole-step compiles of a sweep point between the low end and the no-remat end (but for
+# a comparison the planner loses). The sweep's points share one analysis, so a plan XLA
+# measured at one budget is reused at every other (_settle, and _reuse_verified over
+# every point at the end of sweep()); a compile is most of a point's time (gpt2-tiny:
+# ~1.4 s of ~1.9 s on 2 busy CPU cores, gpt2-small: ~3-4 s). The compile goes to the
+# model's plan at the budget less the error XLA measured on the model's last plan
+# (_model_error): planner.plan's first round, the model's plan at the budget itself, was
+# over it on 9 of gpt2-tiny's 12 measured plans (by 0.53-0.79 MB, 3-5%), and then served
+# only a larger budget. A sweep passing another max_compiles plans each point with
+# planner.plan instead.
 SWEEP_COMPILES = 1
-# Where the frontier is flat a compile buys little. Before a sweep point is planned, the
-# model's plan at its budget (no compile) is set against the cheapest plan XLA already
-# measured within the budget: when the model's recomputes less by under FLAT_GAIN of
-# the step's FLOPs, the point takes the measured plan and compiles nothing. The no-remat
-# end is always planned (nothing is recomputed there).
+# Where the frontier is flat a compile buys little. Before a sweep point compiles, the
+# model's plan for it is set against the cheapest plan XLA already measured within the
+# budget, both by the model's recompute FLOPs (XLA's count of a plan is ~0.2% of the step
+# above the model's on gpt2-tiny: comparing XLA's with the model's made every gain look
+# that much larger): when the model's recomputes less by under FLAT_GAIN of the step's
+# FLOPs, the point takes the measured plan and compiles nothing. The no-remat end is
+# always planned (nothing is recomputed there).
 FLAT_GAIN = 0.005
 # Whole-step compiles of the low end's retry at XLA's smallest feasible budget (planner.plan's
 # max_compiles: its rounds and probes share them). Its first two found everything the
@@ -229,21 +237,73 @@ def _point(p, label: str, budget: int, noremat_flops: float, compiles: int | Non
                  plan=_summary(p.segments), note=note)
 
 
-def _allowance(wl, optimizer, an, budget: int, noremat_flops: float, max_compiles: int,
-               costs) -> tuple[int, object]:
-    """Compiles to spend at `budget` (0 or max_compiles; see FLAT_GAIN) and the cheapest
-    plan XLA measured on `an` within it (None if there is none)."""
-    have = pl._cheapest_verified(an, budget, optimizer, wl.abstract_params,
-                                 wl.abstract_batch, costs)
-    if have is None:
-        return max_compiles, None
+def _model_error(an, skip) -> int:
+    """XLA's peak minus the model's (uncorrected) for the plan last measured on `an`,
+    the per-block plans (`skip`) left out: the model overstates whole-block checkpoints,
+    and its error on the solver's plans is what the next budget's plan will have
+    (gpt2-tiny: +0.53 MB, 3% of the peak, on 9 of the sweep's 12 measured plans)."""
+    for (segments, _), m in reversed(list(an.verified.items())):
+        if segments in skip:
+            continue
+        act, _ = pl.simulate(an.chain_for(segments, chain=an.chain), segments)
+        return m.peak_bytes - an.predicted_peak(act)
+    return 0
+
+
+def _aim(wl, optimizer, an, budget: int, costs, skip) -> tuple[object, int, bool]:
+    """What a sweep point compiles (_shot): the model's plan at `budget` less the model
+    error XLA measured on the last plan (_model_error), None where the model has none;
+    that error; and whether it needs a compile: not where this run measured it already,
+    nor where it recomputes less than the cheapest plan XLA measured within `budget` by
+    under FLAT_GAIN of the step (both by the model: the frontier is flat there)."""
+    P, B = wl.abstract_params, wl.abstract_batch
+    have = pl._cheapest_verified(an, budget, optimizer, P, B, costs)
+    error = max(0, _model_error(an, skip))
     try:
-        model = pl.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, optimizer,
-                        analysis=an, verify=False)
+        model = pl.plan(wl.loss_fn, P, B, budget - error, optimizer, analysis=an,
+                        verify=False)
     except InfeasibleBudgetError:
-        return max_compiles, have
-    gain = (have.measured_flops - noremat_flops) / noremat_flops - model.recompute_overhead
-    return (0 if gain < FLAT_GAIN else max_compiles), have
+        return None, error, False
+    need = pl._cached_measurement(an, model, optimizer) is None and (
+        have is None or have.recompute_overhead - model.recompute_overhead >= FLAT_GAIN)
+    return model, error, need
+
+
+def _settle(wl, optimizer, an, budget: int, label: str, noremat_flops: float, costs,
+            model, error: int, made: int) -> Point:
+    """A sweep point's result once its plan is measured (or not, `made` 0): the cheapest
+    plan XLA measured in this run within `budget`."""
+    P, B = wl.abstract_params, wl.abstract_batch
+    best = pl._cheapest_verified(an, budget, optimizer, P, B, costs)
+    if best is None:
+        lowest = min((m.peak_bytes for m in an.verified.values()), default=budget)
+        return Point("planner", label, budget, None, None, noremat_flops, compiles=made,
+                     note=f"infeasible: smallest feasible {lowest:,} bytes",
+                     min_feasible_bytes=lowest)
+    if model is not None and best.segments == model.segments:
+        m = pl._cached_measurement(an, model, optimizer)
+        p = pl._with_measurement(dataclasses.replace(
+            model, budget_bytes=budget, predicted_peak_bytes=model.predicted_peak_bytes + error),
+            m, verify_rounds=1)
+        return _point(p, label, budget, noremat_flops, compiles=made)
+    note = ("flat: plan XLA measured at another budget of this run" if made == 0
+            else "plan XLA measured at another budget of this run (this budget's was over)")
+    return _point(best, label, budget, noremat_flops, compiles=made, note=note)
+
+
+def _shot(wl, optimizer, an, budget: int, label: str, noremat_flops: float, costs,
+          skip) -> tuple[Point, int]:
+    """A sweep point with at most one compile: the plan _aim picks, compiled if it needs
+    it, then the cheapest plan XLA measured within `budget` (_settle). planner.plan with
+    one compile measures the model's plan at the budget itself, which XLA puts over it as
+    often as not (gpt2-tiny: 9 of 12 by 0.5-0.8 MB): its compile then serves a larger
+    budget only. Returns the point and the compiles made (0 or 1)."""
+    model, error, need = _aim(wl, optimizer, an, budget, costs, skip)
+    if need:
+        pl._measure_plan(an, model, wl.loss_fn, wl.abstract_params, wl.abstract_batch,
+                         optimizer)
+    return _settle(wl, optimizer, an, budget, label, noremat_flops, costs, model, error,
+                   int(need)), int(need)
 
 
 def _step_program(loss, wl, optimizer) -> str:
@@ -262,28 +322,57 @@ def _step_program(loss, wl, optimizer) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _measure_builtin(name: str, wl, optimizer):
+    """(loss, how it groups, XLA's measurement) of the built-in comparison point `name`."""
+    P, B = wl.abstract_params, wl.abstract_batch
+    if name == baselines.SQRT_N:
+        loss, how = baselines.sqrt_grouping_loss(wl.loss_fn, P, B, wl.has_aux)
+    else:
+        loss, how = baselines.builtin_loss(name, wl.loss_fn, P, B, wl.has_aux), "per block"
+    return loss, how, measure(loss, P, B, optimizer, wl.has_aux)
+
+
+def _measure_alone(an, p, wl, optimizer):
+    """XLA's figures for plan `p` of `an`'s step, compiled without entering them in
+    `an.verified` (a worker thread's compile: the caller enters them, so that what the
+    sweep's points see does not depend on when it ends); None for an optimizer that
+    cannot be a dict key."""
+    try:
+        hash((p.segments, optimizer))
+    except TypeError:
+        return None
+    return pl.measure(p.apply(wl.loss_fn), wl.abstract_params, wl.abstract_batch, optimizer,
+                      an.program.has_aux, sharding=an.sharding)
+
+
 def _measure_per_block(wl, optimizer, an, costs,
-                       programs: dict | None = None) -> tuple[int, int]:
+                       programs: dict | Callable[[], dict] | None = None) -> tuple[int, int]:
     """Measure the planner's per-block plans (planner.per_block_plans: every copy of a
     repeated block checkpointed whole under nothing_saveable, dots_with_no_batch_dims_saveable
     or dots_saveable, the rest stored, replayed like any plan) once, on `an`, so that every
     planner call of the sweep can reuse them (planner._cheaper_verified): what a single
     plan() call probes late, with the compiles the sweep's calls do not have.
 
-    `programs` maps _step_program digests to XLA's measurements of the built-ins: a
-    per-block plan whose step is the same program as a built-in's (it is the built-in
-    policy per block, replayed) takes that measurement and is not compiled again.
+    `programs` maps _step_program digests to XLA's measurements of the built-ins (or is a
+    function returning that map, called once the plans' own digests are taken: the
+    built-ins may still be compiling on another thread): a per-block plan whose step is the
+    same program as a built-in's (it is the built-in policy per block, replayed) takes that
+    measurement and is not compiled again.
     Returns (compiles made, plans that took a built-in's measurement)."""
     P, B = wl.abstract_params, wl.abstract_batch
     made = shared = 0
+    todo = []
     for segments in pl.per_block_plans(an.chain):
         act, cost = pl.simulate(costs.objective_chain, segments)
         p = pl._make_plan(an, pl.Solution(segments, cost, act), an.noremat.peak_bytes, P, B,
                           0, costs=costs)
         if pl._cached_measurement(an, p, optimizer) is not None:
             continue
-        same = (programs.get(_step_program(p.apply(wl.loss_fn), wl, optimizer))
-                if programs else None)
+        todo.append((p, _step_program(p.apply(wl.loss_fn), wl, optimizer)
+                     if programs is not None else None))
+    known = (programs() if callable(programs) else programs) if todo else None
+    for p, digest in todo:
+        same = known.get(digest) if known else None
         if same is not None:
             try:
                 an.verified[(p.segments, optimizer)] = same
@@ -326,20 +415,82 @@ def _summary(segments) -> str:
     return " ".join(parts)
 
 
+def _low_end(wl, optimizer, an, low: int, high: int, points: int, nf: float, step, say,
+             max_compiles: int) -> Point:
+    """The sweep's first point, at the model's smallest feasible budget `low`; when XLA
+    finds the plan over it, the error names a verified-or-lowest-measured peak to try
+    instead (twice at most, below the no-remat peak `high`)."""
+    step(f"planning at {fb(low)} (1/{points})")
+    label = f"sweep 1/{points}"
+    pt = _plan_point(wl, optimizer, an, low, label, nf, say, max_compiles)
+    spent = pt.compiles or 0
+    for _ in range(2):
+        retry = pt.min_feasible_bytes
+        if pt.feasible or retry is None or retry <= pt.budget_bytes or retry >= high:
+            break
+        say(f"XLA's smallest feasible budget is above the model's; trying {fb(retry)}")
+        # LOW_END_COMPILES (2) here: the plan XLA measured at `retry` fits it, but the
+        # closed loop's second round may find a cheaper one (scanned gpt2-small:
+        # 24.57% at 6.09 GB against that plan's 49.46% at 6.12 GB).
+        pt = _plan_point(wl, optimizer, an, retry, label, nf, say, LOW_END_COMPILES)
+        spent += pt.compiles or 0
+    pt.compiles = spent
+    return pt
+
+
+def _shots(wl, optimizer, an, queue, k: int, costs, skip, pool, nf: float, label,
+           last) -> list[tuple[int, int, Point]]:
+    """The sweep point queue[k - 1] by _shot, and where it compiles and the next point
+    of the queue (not `last`, the last sweep point) would compile another plan, that one too,
+    aimed with the same state and compiled on `pool`'s worker meanwhile (XLA compiles
+    release the GIL): [(kind, i, point)], one or two. The pair's measurements enter
+    `an.verified` in queue order, so the points do not depend on which compile ends
+    first."""
+    budget, kind, i = queue[k - 1]
+    model, error, need = _aim(wl, optimizer, an, budget, costs, skip)
+    pair = None
+    if need and k < len(queue) and queue[k] != last:
+        budget2, kind2, i2 = queue[k]
+        model2, error2, need2 = _aim(wl, optimizer, an, budget2, costs, skip)
+        if need2 and model2.segments != model.segments:
+            pair = (budget2, kind2, i2, model2, error2)
+    P, B = wl.abstract_params, wl.abstract_batch
+    later = pool.submit(_measure_alone, an, pair[3], wl, optimizer) if pair else None
+    if need:
+        pl._measure_plan(an, model, wl.loss_fn, P, B, optimizer)
+    out = []
+    if later is not None:
+        m2 = later.result()
+        if m2 is None:  # an optimizer that cannot be a dict key
+            pl._measure_plan(an, pair[3], wl.loss_fn, P, B, optimizer)
+        else:
+            an.verified.setdefault((pair[3].segments, optimizer), m2)
+    out.append((kind, i, _settle(wl, optimizer, an, budget, label(kind, i), nf, costs,
+                                 model, error, int(need))))
+    if pair is not None:
+        budget2, kind2, i2, model2, error2 = pair
+        out.append((kind2, i2, _settle(wl, optimizer, an, budget2, label(kind2, i2), nf,
+                                       costs, model2, error2, 1)))
+    return out
+
+
 def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
           step: Step | None = None, say: Callable[[str], None] | None = None,
           max_compiles: int = SWEEP_COMPILES) -> Frontier:
     """Measure the frontier of workload `wl`'s step (see the module docstring).
 
     step(description) is called at the start of each of `total_steps(points)` steps;
-    say(message) relays the pipeline's finer progress. Each planner call makes at most
-    `max_compiles` whole-step compiles (planner.plan's max_compiles); a point where the
-    frontier is flat makes none (see FLAT_GAIN); the low end's retry at XLA's smallest
-    budget, and a point at a built-in's peak whose plan recomputes more than the built-in,
-    get LOW_END_COMPILES (2) and planner.MAX_COMPILES (6). The planner's per-block plans
-    are measured once first (a built-in's measurement where the step is the same program).
-    After the low end, the sweep's budgets and the built-ins' peaks are planned in
-    increasing order; at the end every point takes the cheapest plan XLA measured in the
+    say(message) relays the pipeline's finer progress. The low end and the no-remat end
+    are planned by planner.plan with `max_compiles` whole-step compiles (the no-remat
+    end's compiled on a worker thread beforehand); the other points compile at most
+    `max_compiles` (1: _shot's plan, two consecutive points' side by side), none where
+    the frontier is flat (see FLAT_GAIN); the low end's retry at XLA's smallest budget,
+    and a point at a built-in's peak whose plan recomputes more than the built-in, get
+    LOW_END_COMPILES (2) and planner.MAX_COMPILES (6). The built-ins are measured on a
+    worker thread during the analysis, the planner's per-block plans once after it (a
+    built-in's measurement where the step is the same program). After the low end, the
+    sweep's budgets and the built-ins' peaks are planned in increasing order; at the end
+    every point takes the cheapest plan XLA measured in the
     run within its budget.
     """
     if points < MIN_POINTS:
@@ -349,95 +500,114 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
     say = say or (lambda m: None)
     P, B = wl.abstract_params, wl.abstract_batch
     t0 = time.perf_counter()
-    step("analysing the step (trace, profile, calibrate)")
-    an = pl.analyze(wl.loss_fn, P, B, optimizer, progress=say, has_aux=wl.has_aux)
-    analysis_seconds = time.perf_counter() - t0
-    nr = an.noremat
-    nf = nr.flops
-    noremat = Point("builtin", baselines.NO_REMAT, None, nr.peak_bytes, nr.flops, nf,
-                    plan="no checkpoint")
+    # The built-in policies do not depend on the analysis: they are measured on a worker
+    # thread meanwhile (XLA compiles release the GIL, so the two overlap where a second
+    # core is free), the per-block policies first, then their steps' digests where the
+    # model has blocks (_measure_per_block waits for those), then sqrt(n) grouping while
+    # the low end is planned.
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
+        pending = {name: pool.submit(_measure_builtin, name, wl, optimizer)
+                   for name in baselines.POLICIES}
+        step("analysing the step (trace, profile, calibrate)")
+        an = pl.analyze(wl.loss_fn, P, B, optimizer, progress=say, has_aux=wl.has_aux)
+        analysis_seconds = time.perf_counter() - t0
+        digests = {}
+        if pl.per_block_plans(an.chain):
+            digests = {name: pool.submit(lambda f: _step_program(f.result()[0], wl, optimizer),
+                                         pending[name])
+                       for name in baselines.POLICIES}
+        for name in baselines.NAMES[1:]:
+            if name not in pending:
+                pending[name] = pool.submit(_measure_builtin, name, wl, optimizer)
+        nr = an.noremat
+        nf = nr.flops
+        low, high = an.min_feasible_budget(), nr.peak_bytes
+        # The sweep's last point, the no-remat peak, is planned for sure and its plan
+        # recomputes nothing: compiled on the worker too, handed over when it is planned.
+        top = pl.plan(wl.loss_fn, P, B, high, optimizer, analysis=an, verify=False)
+        top_m = pool.submit(_measure_alone, an, top, wl, optimizer)
+        noremat = Point("builtin", baselines.NO_REMAT, None, nr.peak_bytes, nr.flops, nf,
+                        plan="no checkpoint")
+        costs = pl._PlanCosts(an, pl.resolve_cost_model(None))
 
-    costs = pl._PlanCosts(an, pl.resolve_cost_model(None))
-    programs: dict = {}  # _step_program digest -> XLA's measurement, the built-in policies'
+        def programs() -> dict:
+            """_step_program digest -> XLA's measurement, the built-in policies'."""
+            return {d.result(): pending[name].result()[2] for name, d in digests.items()}
 
-    def builtin(name: str) -> Point:
-        step(f"measuring built-in: {name}")
-        if name == baselines.SQRT_N:
-            loss, how = baselines.sqrt_grouping_loss(wl.loss_fn, P, B, wl.has_aux)
-        else:
-            loss, how = baselines.builtin_loss(name, wl.loss_fn, P, B, wl.has_aux), "per block"
-        m = measure(loss, P, B, optimizer, wl.has_aux)
-        if name in baselines.POLICIES and pl.per_block_plans(an.chain):
-            programs[_step_program(loss, wl, optimizer)] = m
-        return Point("builtin", name, None, m.peak_bytes, m.flops, nf, plan=how)
+        step("measuring the planner's per-block plans")
+        per_block, shared = _measure_per_block(wl, optimizer, an, costs,
+                                               programs if digests else None)
+        skip = set(pl.per_block_plans(an.chain))  # segments _model_error leaves out
 
-    # The low end: the model's smallest feasible budget; when XLA finds the plan over it,
-    # the error names a verified-or-lowest-measured peak to try instead (twice at most).
-    low, high = an.min_feasible_budget(), nr.peak_bytes
+        # The low end: the model's smallest feasible budget; when XLA finds the plan over
+        # it, the error names a verified-or-lowest-measured peak to try instead (twice at
+        # most).
+        lowest = _low_end(wl, optimizer, an, low, high, points, nf, step, say, max_compiles)
+        builtins = [noremat]
+        for name in baselines.NAMES[1:]:
+            step(f"measuring built-in: {name}")
+            _, how, m = pending[name].result()
+            builtins.append(Point("builtin", name, None, m.peak_bytes, m.flops, nf, plan=how))
+        top_m = top_m.result()
 
-    def low_end() -> Point:
-        step(f"planning at {fb(low)} (1/{points})")
-        label = f"sweep 1/{points}"
-        pt = _plan_point(wl, optimizer, an, low, label, nf, say, max_compiles)
-        spent = pt.compiles or 0
-        for _ in range(2):
-            retry = pt.min_feasible_bytes
-            if pt.feasible or retry is None or retry <= pt.budget_bytes or retry >= high:
-                break
-            say(f"XLA's smallest feasible budget is above the model's; trying {fb(retry)}")
-            # LOW_END_COMPILES (2) here: the plan XLA measured at `retry` fits it, but the
-            # closed loop's second round may find a cheaper one (scanned gpt2-small:
-            # 24.57% at 6.09 GB against that plan's 49.46% at 6.12 GB).
-            pt = _plan_point(wl, optimizer, an, retry, label, nf, say, LOW_END_COMPILES)
-            spent += pt.compiles or 0
-        pt.compiles = spent
-        return pt
-
-    def at(budget: int, label: str, what: str, cap: int, flat_ok: bool = False) -> Point:
-        step(what)
-        if flat_ok:
-            cap, have = _allowance(wl, optimizer, an, budget, nf, max_compiles, costs)
-            if cap == 0:
-                say("the frontier is flat here: taking a plan XLA measured at a smaller "
-                    "budget")
-                return _point(have, label, budget, nf, compiles=0,
-                              note="flat: plan XLA measured at another budget of this run")
-        return _plan_point(wl, optimizer, an, budget, label, nf, say, cap)
-
-    builtins = [noremat] + [builtin(name) for name in baselines.NAMES[1:]]
-    step("measuring the planner's per-block plans")
-    per_block, shared = _measure_per_block(wl, optimizer, an, costs, programs)
-    lowest = low_end()
-    budgets = sweep_budgets(low, high, points)
-    if lowest.feasible and lowest.budget_bytes != low:
-        # Respace the rest of the sweep from the verified low end.
-        budgets = sweep_budgets(lowest.budget_bytes, high, points)
-    # The rest in increasing budget, the built-ins' peaks among the sweep's budgets: each
-    # call reuses the plans XLA measured at the smaller budgets before it.
-    queue = sorted([(budgets[i], 0, i) for i in range(1, points)]
-                   + [(b.peak_bytes, 1, j) for j, b in enumerate(builtins[1:])])
-    done = {}
-    for budget, kind, i in queue:
-        if kind == 0:
-            done[kind, i] = at(budget, f"sweep {i + 1}/{points}",
-                               f"planning at {fb(budget)} ({i + 1}/{points})",
-                               max_compiles, flat_ok=i < points - 1)
-        else:
-            b = builtins[1 + i]
-            label = f"at {b.label} peak"
-            pt = at(budget, label, f"planning at the {b.label} peak ({fb(budget)})",
-                    max_compiles, flat_ok=True)
-            if not Comparison(b, pt).planner_not_worse:
-                # The comparison is what the frontier is for: where the planner's plan
-                # recomputes more than the built-in at its peak, plan again with
-                # planner.MAX_COMPILES (6; the first round is free now).
-                say(f"the plan at the {b.label} peak recomputes more than it: planning "
-                    "again with more compiles")
-                again = _plan_point(wl, optimizer, an, budget, label, nf, say,
-                                    pl.MAX_COMPILES)
-                again.compiles += pt.compiles or 0
-                pt = again
-            done[kind, i] = pt
+        budgets = sweep_budgets(low, high, points)
+        if lowest.feasible and lowest.budget_bytes != low:
+            # Respace the rest of the sweep from the verified low end.
+            budgets = sweep_budgets(lowest.budget_bytes, high, points)
+        # The rest in increasing budget, the built-ins' peaks among the sweep's budgets:
+        # each reuses the plans XLA measured at the smaller budgets before it.
+        queue = sorted([(budgets[i], 0, i) for i in range(1, points)]
+                       + [(b.peak_bytes, 1, j) for j, b in enumerate(builtins[1:])])
+        label = lambda kind, i: (f"sweep {i + 1}/{points}" if kind == 0  # noqa: E731
+                                 else f"at {builtins[1 + i].label} peak")
+        what = lambda budget, kind, i: (  # noqa: E731
+            f"planning at {fb(budget)} ({i + 1}/{points})" if kind == 0
+            else f"planning at the {builtins[1 + i].label} peak ({fb(budget)})")
+        done = {}
+        k = 0
+        while k < len(queue):
+            budget, kind, i = queue[k]
+            k += 1
+            if kind == 0 and i == points - 1:
+                # Measured on the worker: planner.plan finds it measured, the point
+                # counts it.
+                step(what(budget, kind, i))
+                top_new = pl._cached_measurement(an, top, optimizer) is None
+                if top_new and top_m is not None:
+                    an.verified[(top.segments, optimizer)] = top_m
+                pt = _plan_point(wl, optimizer, an, budget, label(kind, i), nf, say,
+                                 max_compiles)
+                pt.compiles = (pt.compiles or 0) + int(top_new and top_m is not None)
+                done[kind, i] = pt
+                continue
+            step(what(budget, kind, i))
+            if max_compiles != 1:
+                pts = [(kind, i, _plan_point(wl, optimizer, an, budget, label(kind, i), nf,
+                                             say, max_compiles))]
+            else:
+                pts = _shots(wl, optimizer, an, queue, k, costs, skip, pool, nf, label,
+                              (budgets[-1], 0, points - 1))
+                if len(pts) == 2:
+                    step(what(*queue[k]))
+                    k += 1
+            for kind_, i_, pt in pts:
+                if pt.compiles == 0:
+                    say("the frontier is flat here: taking a plan XLA measured at another "
+                        "budget of this run")
+                if kind_ == 1 and not Comparison(builtins[1 + i_], pt).planner_not_worse:
+                    # The comparison is what the frontier is for: where the planner's plan
+                    # recomputes more than the built-in at its peak, plan again with
+                    # planner.MAX_COMPILES (6; the first round is free now).
+                    say(f"the plan at the {builtins[1 + i_].label} peak recomputes more "
+                        "than it: planning again with more compiles")
+                    again = _plan_point(wl, optimizer, an, pt.budget_bytes, pt.label, nf,
+                                        say, pl.MAX_COMPILES)
+                    again.compiles += pt.compiles or 0
+                    pt = again
+                done[kind_, i_] = pt
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     planned = [lowest] + [done[0, i] for i in range(1, points)]
     planned += [done[1, j] for j in range(len(builtins) - 1)]
     _reuse_verified(wl, optimizer, an, planned, nf)
