@@ -656,10 +656,9 @@ def mixed_cotangent_bytes(stack: LayerStack, g: int) -> int:
 
     Measured on the test corpus's scan_lm (nn.scan over 6 blocks, tests/test_closed_loop.py):
     XLA held 2.3-2.6 layers' parameters more than the model without the term at g = 2 and
-    2.9-4.4 at g = 3; with it two such schemes are predicted -0.04% and -0.6% from XLA
-    (with the replay's prevent_cse=False, fact 5; +1.1% and +1.5% before it).
+    2.9-4.4 at g = 3; with it two such schemes are predicted +1.1% and +1.5% from XLA.
     This is a first-order charge, not the whole mechanism: in a plain-JAX stack
-    (scripts/jax_facts.py, docs/jax-facts.md fact 4) the temp grows by about 2 layers'
+    (scripts/jax_facts.py, docs/jax-facts.md fact 4) the temp grows by about 3 layers'
     parameters per layer added to an iteration from g = 2 on, while g = 1 holds more than
     g = 2."""
     return (2 * g - 1) * stack.xs_bytes if g > 1 else 0
