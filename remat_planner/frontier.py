@@ -29,7 +29,7 @@ import datetime
 import hashlib
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import jax
@@ -69,7 +69,28 @@ FLAT_GAIN = 0.005
 # (the plan XLA measured at the budget is the low end). Each more would cost a compile.
 LOW_END_COMPILES = 2
 
+# Whether the sweep compiles on a worker thread beside the main one (the built-ins during
+# the analysis, the no-remat end's plan, one plan of each pair of points: _shots). XLA
+# compiles release the GIL, so where a second core is free they overlap; where it is not
+# the results are the same, compiled one after the other.
+THREADS = True
+
 Step = Callable[[str], None]
+
+
+class _Inline:
+    """An executor that runs each task when it is submitted (THREADS off)."""
+
+    def submit(self, fn, *args, **kwargs) -> Future:
+        f = Future()
+        try:
+            f.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller by result()
+            f.set_exception(e)
+        return f
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        pass
 
 
 @dataclasses.dataclass
@@ -505,7 +526,7 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
     # core is free), the per-block policies first, then their steps' digests where the
     # model has blocks (_measure_per_block waits for those), then sqrt(n) grouping while
     # the low end is planned.
-    pool = ThreadPoolExecutor(max_workers=1)
+    pool = ThreadPoolExecutor(max_workers=1) if THREADS else _Inline()
     try:
         pending = {name: pool.submit(_measure_builtin, name, wl, optimizer)
                    for name in baselines.POLICIES}
