@@ -70,10 +70,25 @@ FLAT_GAIN = 0.005
 LOW_END_COMPILES = 2
 
 # Whether the sweep compiles on a worker thread beside the main one (the built-ins during
-# the analysis, the no-remat end's plan, one plan of each pair of points: _shots). XLA
-# compiles release the GIL, so where a second core is free they overlap; where it is not
-# the results are the same, compiled one after the other.
-THREADS = True
+# the analysis, the no-remat end's plan, one plan of each pair of points: _shots); None:
+# where the 1-minute load average leaves a core free (_threads). XLA compiles release the
+# GIL, so with a core free they overlap; on 2 cores kept busy by another job they only
+# compete (gpt2-tiny at load average 7-9: 56 and 74 s in threads, 51 and 67 s in one, run
+# one after the other). The results are the same either way: a pair's measurements enter
+# the analysis in queue order.
+THREADS: bool | None = None
+
+
+def _threads() -> bool:
+    if THREADS is not None:
+        return THREADS
+    import os
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this platform
+        return False
+    return (os.cpu_count() or 1) - load >= 1
+
 
 Step = Callable[[str], None]
 
@@ -526,7 +541,7 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
     # core is free), the per-block policies first, then their steps' digests where the
     # model has blocks (_measure_per_block waits for those), then sqrt(n) grouping while
     # the low end is planned.
-    pool = ThreadPoolExecutor(max_workers=1) if THREADS else _Inline()
+    pool = ThreadPoolExecutor(max_workers=1) if _threads() else _Inline()
     try:
         pending = {name: pool.submit(_measure_builtin, name, wl, optimizer)
                    for name in baselines.POLICIES}

@@ -71,6 +71,7 @@ def frontier_run(tmp_path_factory, two_layer):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(pl, "measure", counting("planner", pl.measure))
         mp.setattr(fr_mod, "measure", counting("builtin", fr_mod.measure))
+        mp.setattr(fr_mod, "THREADS", True)  # the worker thread's path, whatever the load
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             code = main(["frontier", two_layer, "--out", str(out), "--json"])
     assert code == 0, stderr.getvalue()
@@ -285,6 +286,25 @@ def test_sweep_shots_aim_below_the_budget_by_the_last_error(two_layer):
     nxt, _, need = fr_mod._aim(wl, opt, an, later + over, costs, skip)
     gain = have.recompute_overhead - nxt.recompute_overhead
     assert need == (gain >= fr_mod.FLAT_GAIN and pl._cached_measurement(an, nxt, opt) is None)
+
+
+def test_sweep_threads_only_with_a_core_free(monkeypatch):
+    """The sweep compiles on a worker thread only where the load average leaves a core
+    free (on 2 busy cores two compiles at once only compete), unless THREADS says."""
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(fr_mod, "THREADS", None)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.6, 1.0, 1.0))
+    assert fr_mod._threads()
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.5, 1.0, 1.0))
+    assert not fr_mod._threads()
+    monkeypatch.setattr(fr_mod, "THREADS", True)
+    assert fr_mod._threads()
+    pool = fr_mod._Inline()
+    assert pool.submit(lambda a, b: a + b, 1, b=2).result() == 3
+    with pytest.raises(ZeroDivisionError):
+        pool.submit(lambda: 1 / 0).result()
 
 
 def test_plan_max_compiles_caps_one_call(two_layer):
