@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -11,11 +12,20 @@ import pytest
 import remat_planner as rp
 from remat_planner import planner as pl
 from remat_planner.config import build_workload, load_config, make_optimizer
+from remat_planner.memory import simulate
 from remat_planner.plan import DOTS_NO_BATCH, NOTHING, STORE, Segment
 
 # Whole-step compiles at several budgets: left out of the README's test command, run by
 # .ci/run's second part (`-m slow`).
 pytestmark = pytest.mark.slow
+
+
+def fresh(an: rp.Analysis) -> rp.Analysis:
+    """A copy of the shared analysis that has measured no plan: `rp.plan` reuses the plans
+    an analysis measured (Analysis.verified), so a test planning on the module's analysis
+    would depend on which tests ran before it. `dataclasses.replace` alone would share the
+    dict."""
+    return dataclasses.replace(an, verified={})
 
 
 @pytest.fixture(scope="module")
@@ -88,16 +98,31 @@ def frontier_plans(tiny):
     low = an.min_feasible_budget()
     high = an.noremat.peak_bytes
     budgets = [int(low + f * (high - low)) for f in (0.25, 0.5, 0.85)]
-    return [(b, rp.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, b, opt, analysis=an))
+    own = fresh(an)  # one analysis for the three budgets, as a user's sweep would share it
+    return [(b, rp.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, b, opt, analysis=own))
             for b in budgets]
 
 
+# The memory model's own error (its prediction for a plan's segments, before the closed
+# loop's correction by XLA's peak of an earlier plan) on gpt2-tiny's three plans, measured
+# at dd3c3e8: -2.97%, -3.87%, -3.04% (the model understates; the calibration fits it
+# exactly on the two calibration steps only). 5% leaves room for the next change of the
+# model without hiding a regression to the 10% the corrected prediction was held to.
+MODEL_ERROR_TOLERANCE = 0.05
+
+
 def test_xla_peak_within_budget_and_prediction_close(tiny, frontier_plans):
+    """XLA's peak of each plan is within its budget, and the uncorrected memory model
+    (scripts/corpus_report.py's model_error) predicts it within MODEL_ERROR_TOLERANCE.
+    Plan.predicted_peak_bytes is not compared: it already carries the closed loop's
+    correction, XLA's own peak of the plan measured before it (often the plan itself)."""
     _, _, an = tiny
     last_cost = None
     for budget, plan in frontier_plans:
         assert plan.measured_peak_bytes <= budget
-        assert abs(plan.predicted_peak_bytes - plan.measured_peak_bytes) <= 0.10 * plan.measured_peak_bytes
+        act, _ = simulate(an.chain_for(plan.segments, chain=an.chain), plan.segments)
+        error = an.predicted_peak(act) / plan.measured_peak_bytes - 1
+        assert abs(error) <= MODEL_ERROR_TOLERANCE, (budget, error, plan.measured_peak_bytes)
         assert plan.measured_peak_bytes < an.noremat.peak_bytes
         if last_cost is not None:
             assert plan.recompute_flops <= last_cost + 1e-6  # more memory, less recompute
@@ -127,7 +152,8 @@ def test_plan_json_round_trip_and_mismatch(tiny, frontier_plans, real_inputs):
 def test_infeasible_budget_names_smallest_feasible(tiny):
     wl, opt, an = tiny
     with pytest.raises(rp.InfeasibleBudgetError) as info:
-        rp.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, "1MB", opt, analysis=an)
+        rp.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, "1MB", opt,
+                analysis=fresh(an))
     err = info.value
     assert err.min_feasible_bytes > 1_000_000 and "smallest feasible" in str(err)
     assert err.exit_code == 3
@@ -194,6 +220,7 @@ def test_planner_beats_builtin_policies_at_their_own_peaks(tiny):
     """Issue 3's comparison on gpt2-tiny: with each JAX policy's XLA peak as the budget,
     the planner fits it and recomputes no more (measured FLOPs)."""
     wl, opt, an = tiny
+    an = fresh(an)  # shared by the three budgets below, as in the comparison it checks
     P, B = wl.abstract_params, wl.abstract_batch
     base = pl.measure_builtin_policies(wl.loss_fn, P, B, opt)
     nr = base["no_remat"].flops
@@ -212,6 +239,7 @@ def test_planner_recomputes_10pct_less_at_dots_no_batch_peak(tiny):
     """Issue 3's claim on gpt2-tiny: at dots_with_no_batch_dims_saveable's XLA peak the
     planner recomputes at least 10% less than the policy."""
     wl, opt, an = tiny
+    an = fresh(an)
     P, B = wl.abstract_params, wl.abstract_batch
     base = pl.measure_builtin_policies(wl.loss_fn, P, B, opt)
     nr, policy = base["no_remat"].flops, base["dots_with_no_batch_dims_saveable"]

@@ -15,6 +15,7 @@ import remat_planner as rp
 from remat_planner import planner, scan
 from remat_planner.apply import builtin_policy_loss
 from remat_planner.errors import PlanMismatchError
+from remat_planner.memory import simulate
 from remat_planner.models.gpt2_workload import GPT2Settings, build_gpt2
 from remat_planner.plan import NOTHING, STORE, Plan, Segment, validate_segments
 from remat_planner.solve import ChainSolver
@@ -186,19 +187,33 @@ def test_frontier_is_scheme_cost_of_its_schemes_and_undominated(analysis):
                        for j, q in enumerate(points))
 
 
-def test_flat_and_nested_model(analysis):
-    """Flat: per-iteration keeps stacked, the last iteration's own peak on top. Nested:
-    group carries kept; one more forward per level."""
-    program = analysis.program
-    stack = scan.profile_layer_stack(program, scan.find_layer_scan(program), measure_xla=False)
-    it = stack.plan("nothing|nothing")
-    flat = scan.part_cost(stack, scan.ScanPart(4, it.name))
-    assert flat.keep_bytes == 4 * it.keep_bytes
-    assert flat.peak_bytes == 3 * it.keep_bytes + it.peak_bytes
-    assert flat.recompute_flops == pytest.approx(4 * it.recompute_flops)
-    nested = scan.part_cost(stack, scan.ScanPart(4, it.name, (2,)))
-    assert nested.keep_bytes == 2 * stack.carry_bytes
-    assert nested.recompute_flops == pytest.approx(4 * stack.body_flops + 4 * it.recompute_flops)
+def _model_and_xla(an, scanned, option):
+    """The calibrated model's own peak and recompute FLOPs for the plan with `option` on the
+    layer stack (no closed-loop correction), and XLA's peak and FLOPs of that step."""
+    plan = _plan_with(an, option, scanned.abstract_params, scanned.abstract_batch)
+    act, flops = simulate(an.chain_for(plan.segments, chain=an.chain), plan.segments)
+    m = measure(plan.apply(scanned.loss_fn), scanned.abstract_params, scanned.abstract_batch, OPT)
+    return an.predicted_peak(act), flops, m.peak_bytes, m.flops
+
+
+def test_nested_scheme_recomputes_one_more_forward_per_level_by_xla(analysis, scanned):
+    """Nesting the flat scheme in groups of 2 (`.../2`) recomputes, by XLA's FLOPs, what
+    the model says: one more forward of every layer (measured: XLA +122,808,325 FLOPs,
+    the model +122,800,132)."""
+    _, flat_model, _, flat_xla = _model_and_xla(analysis, scanned, "scan:4xnothing|nothing")
+    _, nested_model, _, nested_xla = _model_and_xla(analysis, scanned,
+                                                    "scan:4xnothing|nothing/2")
+    assert nested_xla - flat_xla == pytest.approx(nested_model - flat_model, rel=0.01)
+    assert nested_model - flat_model == pytest.approx(4 * analysis.scan_chain.stack.body_flops,
+                                                      rel=0.05)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the model puts the nested scheme below the flat one (5,576,795 vs 5,764,296 B) where "
+    "XLA puts it above (6,387,088 vs 5,764,296 B): -12.7% on `scan:4xnothing|nothing/2`"))
+def test_nested_scheme_peak_predicted_within_5pct(analysis, scanned):
+    model, _, xla, _ = _model_and_xla(analysis, scanned, "scan:4xnothing|nothing/2")
+    assert abs(model / xla - 1) <= 0.05, (model, xla)
 
 
 def test_mixed_iteration_model():
@@ -283,11 +298,12 @@ def test_planned_gradients_are_exact(option, analysis, scanned, real_inputs, ref
 def test_xla_peak_within_budget_at_three_budgets(analysis, scanned, real_inputs, reference):
     lo, hi = analysis.min_feasible_budget(), analysis.noremat.peak_bytes
     assert lo < hi
+    own = dataclasses.replace(analysis, verified={})  # no plans measured by other tests
     plans = []
     for frac in (0.2, 0.5, 0.8):
         budget = int(lo + frac * (hi - lo))
         p = rp.plan(scanned.loss_fn, scanned.abstract_params, scanned.abstract_batch, budget,
-                    OPT, analysis=analysis)
+                    OPT, analysis=own)
         assert p.measured_peak_bytes <= budget, (budget, p.measured_peak_bytes, p.segments)
         plans.append(p)
     assert any(scan.is_scan_option(s.option) for p in plans for s in p.segments)
@@ -375,10 +391,18 @@ def test_measured_flops_count_every_iteration(analysis):
     assert analysis.noremat.flops == pytest.approx(flops, rel=0.02)
 
 
-def test_scanned_loss_matches_after_calibration(analysis):
-    """The calibrated model predicts the no-remat XLA peak, and the stack's scales stay
-    within the fitted bounds."""
-    assert analysis.noremat_predicted_peak == analysis.noremat.peak_bytes
-    assert 0.5 <= analysis.residual_scale <= 4.0 and 0.5 <= analysis.workspace_scale <= 4.0
-    fixed = dataclasses.asdict(analysis.fixed)
-    assert fixed["params_bytes"] > 0
+@pytest.mark.parametrize("option", ["scan:4xdots|dots_no_batch", "scan:4x[dots_no_batch]"])
+def test_calibrated_model_predicts_schemes_it_was_not_fitted_on(analysis, scanned, option):
+    """The calibration fits the model on two steps (without remat, and the stack as
+    `scan:4xnothing|nothing`); a flat scheme it never measured is predicted within 5% of
+    XLA's peak by the model alone (measured: -4.14% and -3.37%)."""
+    model, _, xla, _ = _model_and_xla(analysis, scanned, option)
+    assert abs(model / xla - 1) <= 0.05, (option, model, xla)
+
+
+def test_fixed_memory_counts_the_parameters(analysis, scanned):
+    """Parameter bytes are the abstract parameters' own (898,560 B here), stacked layer
+    weights included."""
+    want = sum(int(np.prod(x.shape)) * x.dtype.itemsize
+               for x in jax.tree.leaves(scanned.abstract_params))
+    assert analysis.fixed.params_bytes == want
