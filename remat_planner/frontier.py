@@ -71,11 +71,12 @@ LOW_END_COMPILES = 2
 
 # Whether the sweep compiles on a worker thread beside the main one (the built-ins during
 # the analysis, the no-remat end's plan, one plan of each pair of points: _shots); None:
-# where the 1-minute load average leaves a core free (_threads). XLA compiles release the
-# GIL, so with a core free they overlap; on 2 cores kept busy by another job they only
-# compete (gpt2-tiny at load average 7-9: 56 and 74 s in threads, 51 and 67 s in one, run
-# one after the other). The results are the same either way: a pair's measurements enter
-# the analysis in queue order.
+# where the 1-minute load average is below the core count (_threads). XLA compiles release
+# the GIL, so with spare capacity they overlap (gpt2-tiny at load average 1.7: 30.2 s in
+# threads, 33.1 s in one); on 2 cores kept busy by another job they only compete (load
+# average 7-9: 56 and 74 s in threads, 51 and 67 s in one, run one after the other). The
+# results are the same either way: a pair's measurements enter the analysis in queue
+# order.
 THREADS: bool | None = None
 
 
@@ -87,7 +88,7 @@ def _threads() -> bool:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):  # no load average on this platform
         return False
-    return (os.cpu_count() or 1) - load >= 1
+    return load < (os.cpu_count() or 1)
 
 
 Step = Callable[[str], None]
