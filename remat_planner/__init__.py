@@ -9,7 +9,7 @@
 Pipeline, one module per stage: trace -> graph -> memory -> solve -> apply -> verify.
 """
 
-from .budget import format_bytes, parse_budget
+from .budget import parse_budget
 from .errors import (BudgetError, ConfigError, InfeasibleBudgetError, PlanMismatchError,
                      RematPlannerError, UnsupportedModelError)
 from .export import FlaxExport, PrimitivePolicy, export_flax, module_plan
@@ -17,6 +17,7 @@ from .plan import Plan, Segment
 from .policies import dots_narrow_saveable
 from .planner import Analysis, analyze, measure_builtin_policies, plan
 from .sharding import ShardingSpec, shard_arrays
+from .units import format_bytes
 from .verify import Measurement, measure, train_step
 
 __version__ = "0.1.0"

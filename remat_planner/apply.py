@@ -8,19 +8,25 @@ equation, so gradients are exactly those of the original loss.
 
 from __future__ import annotations
 
+import functools
+import math
 import re
 from collections import Counter
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import scan
 from .errors import PlanMismatchError
 from .graph import definitions, find_blocks, last_uses
-from .memory import make_segment_fn, stage_io, value_name
-from .plan import Plan, Segment
-from .trace import Program, eval_range, trace
+from .memory import ChainModel, make_segment_fn, stage_io, value_name
+from .plan import Plan, ScanScheme, Segment, is_scan_option, layer_policies
+from .scan import Body, body_chain, layer_body, parse_plan, whole_body_chain
+from .sharding import (ShardingSpec, carry_constraint, gathered_params, program_param_specs,
+                       scan_body_shardings)
+from .trace import Literal, Program, eval_range, trace
 
 
 def input_signature(params, batch: Sequence, program: Program | None = None) -> list[str]:
@@ -77,7 +83,6 @@ def _gathers(plan: Plan, program: Program, params) -> dict:
         return {}
     from jax.sharding import NamedSharding
 
-    from .sharding import ShardingSpec, gathered_params
     spec = ShardingSpec.from_dict(meta)
     gathered = gathered_params(program, params, spec)
     if not gathered:
@@ -89,11 +94,10 @@ def _gathers(plan: Plan, program: Program, params) -> dict:
 def _scan_sharding(plan: Plan, program: Program, params):
     """Under fsdp or tp: (the ShardingSpec, parameter value id -> its PartitionSpec), what a
     layer-stack scan needs to gather its weight slices and keep its collective outputs
-    (scan.run_scheme); None otherwise."""
+    (run_scheme); None otherwise."""
     meta = plan.metadata.get("sharding")
     if not meta or meta["scheme"] == "dp":
         return None
-    from .sharding import ShardingSpec, program_param_specs
     spec = ShardingSpec.from_dict(meta)
     return spec, program_param_specs(program, params, spec)
 
@@ -137,7 +141,7 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
     gathered weights by name, so its recomputation in the backward does not all-gather
     them again; nested segments receive them gathered.
 
-    With `in_scan=True` (a layer-stack scan's body, scan.Body.step), a checkpoint over
+    With `in_scan=True` (a layer-stack scan's body, body_step), a checkpoint over
     the whole body (what `nn.remat(Block)` inside `nn.scan` makes) has
     `prevent_cse=False`, as scanned layer stacks are written: the scan already keeps XLA
     from merging the recomputation with the forward, and the barriers change XLA's
@@ -153,8 +157,8 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
     gathers = gathers or {}  # inside a region the weights arrive gathered: a no-op again
     for seg in segments:
         lo, hi = plan.stages[seg.start].start, plan.stages[seg.stop - 1].stop
-        if scan.is_scan_option(seg.option):  # the layer stack, rebuilt as the scheme says
-            scan.run_stage(program, lo, hi, seg.option, env, scan_sharding)
+        if is_scan_option(seg.option):  # the layer stack, rebuilt as the scheme says
+            run_stage(program, lo, hi, seg.option, env, scan_sharding)
             continue
         pins = [v for e in program.eqns[lo:hi] for v in e.outvars if v in pinned]
         if not seg.is_checkpoint:
@@ -234,7 +238,7 @@ def _gathering(body: Callable, ins, positions, gathers) -> Callable:
     """`body` whose parameter arguments at `positions` are all-gathered first (a sharding
     constraint to the gathered layout; XLA's partitioner emits the all-gather) and named.
     A callable in `gathers` is applied instead (a layer's slice of a mixed scan
-    iteration's parameters, scan.Body.step)."""
+    iteration's parameters, body_step)."""
     from jax.ad_checkpoint import checkpoint_name
 
     def fn(*args):
@@ -310,7 +314,7 @@ def builtin_policy_loss(loss_fn: Callable, params, batch: Sequence, policy,
             eval_range(program, lo, hi, env)
             return
         eval_range(program, lo, layer_scan, env)
-        scan.run_with_policy(program, layer_scan, policy, env)
+        run_with_policy(program, layer_scan, policy, env)
         eval_range(program, layer_scan + 1, hi, env)
 
     def loss(p, *b):
@@ -325,3 +329,185 @@ def builtin_policy_loss(loss_fn: Callable, params, batch: Sequence, policy,
             pos = hi
         return program.output(env)
     return loss
+
+
+# ---------------------------------------------------------------------------------------
+# Layer-stack scans: a scan scheme (plan.ScanScheme) replayed; its cost model is scan.py's
+# ---------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=32)
+def _body_uses(body: Body):
+    return last_uses(body.program), definitions(body.program)
+
+
+def body_step(body: Body, segments: Sequence | None = None, jax_policy=None, *,
+              regather: dict | None = None, pinned: frozenset[int] = frozenset(),
+              take: int | None = None) -> Callable:
+    """One iteration `(consts, carry, x) -> (carry, y)`: the body replayed with the
+    per-iteration plan `segments` over its sub-stages (run_segments, as for a
+    whole program), or checkpointed whole under a JAX policy (`nn.remat` per block).
+
+    Sharded (sharding.scan_body_shardings): `regather` weight slices are all-gathered
+    in every sub-stage using them and never kept; `pinned` values (tensor-parallel
+    partial sums, all-reduced) are kept by every checkpoint.
+
+    With `take=j` (layer j of a mixed iteration, see run_scheme) the xs arrive as the
+    iteration's group of g layers and layer j's slice is taken inside every sub-stage
+    that uses it, like a regathered weight: the checkpoints' inputs are then the
+    scan's own xs, which JAX's scan forwards to the backward without stacking a copy,
+    where slices taken outside them would be stacked (one copy of the parameters)."""
+    program, ncar = body.program, body.num_carry
+    outs = program.outvars
+    xs_ids = program.invars[body.num_consts + ncar:]
+    if take is not None:
+        regather = dict(regather or {})
+        for v in xs_ids:
+            regather[v] = _taking(take, regather.get(v))
+
+    def fn(*args):
+        env = program.bind(args)
+        if segments is None:
+            eval_range(program, 0, len(program.eqns), env)
+        else:
+            last, defs = _body_uses(body)
+            run_segments(program, body, segments, env, last, defs, pinned, regather,
+                         in_scan=True)
+        return [jnp.asarray(v.val, a.dtype) if isinstance(v, Literal)
+                else env[v][take] if take is not None and v in xs_ids else env[v]
+                for v, a in zip(outs, program.avals_out)]
+
+    f = fn if jax_policy is None else jax.checkpoint(fn, policy=jax_policy, prevent_cse=False)
+
+    def it(consts, carry, x):
+        out = f(*consts, *carry, *x)
+        return list(out[:ncar]), list(out[ncar:])
+    return it
+
+
+def run_stage(program: Program, lo: int, hi: int, option: str, env: dict,
+              scan_sharding=None) -> None:
+    """Evaluate equations [lo, hi) on `env`, the layer-stack scan among them following
+    scheme `option` (sharded: see run_scheme)."""
+    index = max((i for i in range(lo, hi) if program.eqns[i].name == "scan"),
+                key=lambda i: scan.eqn_flops_of(program, program.eqns[i]), default=None)
+    if index is None:
+        raise PlanMismatchError(f"the plan runs stage equations [{lo}, {hi}) as a scan, "
+                                "but they hold none; re-plan for this model")
+    eval_range(program, lo, index, env)
+    run_scheme(program, index, option, env, scan_sharding)
+    eval_range(program, index + 1, hi, env)
+
+
+def run_scheme(program: Program, index: int, option: str, env: dict,
+               scan_sharding=None) -> None:
+    """Evaluate the scan at equation `index` on `env` following scheme `option`; with
+    `scan_sharding` (ShardingSpec, parameter specs by id: fsdp or tp), each iteration
+    gathers its weight slices and keeps its collective outputs (body_step), and under tp
+    its carry is replicated over `model` (sharding.carry_constraint)."""
+    eqn = program.eqns[index]
+    body = layer_body(eqn)
+    regather, pinned, pin_carry = None, frozenset(), None
+    if scan_sharding is not None:
+        regather, pinned = scan_body_shardings(eqn, body.program, scan_sharding[1],
+                                               scan_sharding[0])
+        pin_carry = carry_constraint(scan_sharding[0])
+    scheme = ScanScheme.parse(option)
+    if scheme.length != body.length:
+        raise PlanMismatchError(f"scan scheme {option!r} covers {scheme.length} iterations, the "
+                                f"scan has {body.length}; re-plan for this model")
+    chain, whole = _named_chain(body)
+    try:
+        plans = [[parse_plan(name, chain, whole=whole) for name in layer_policies(part.policy)]
+                 for part in scheme.parts]
+    except ValueError as e:
+        raise PlanMismatchError(f"{e}; re-plan for this model") from None
+    consts, carry, xs = body.split([v.val if isinstance(v, Literal) else env[v]
+                                    for v in eqn.invars])
+    pos, ys_parts = 0, []
+    for part, layer_segments in zip(scheme.parts, plans):
+        part_xs = xs if part.count == body.length else [
+            jax.lax.slice_in_dim(x, pos, pos + part.count) for x in xs]
+        g = len(layer_segments)
+        its = [body_step(body, segments, regather=regather, pinned=pinned,
+                         take=j if g > 1 else None)
+               for j, segments in enumerate(layer_segments)]
+        if pin_carry is not None:
+            carry = pin_carry(carry)
+            its = [_pinning_carry(f, pin_carry) for f in its]
+        if g == 1:
+            step = lambda c, x, _it=its[0]: _it(consts, c, x)  # noqa: E731
+        else:
+            # g layers per iteration: the stacked xs are reshaped (free), not sliced.
+            part_xs = [x.reshape((part.count // g, g, *x.shape[1:])) for x in part_xs]
+            step = functools.partial(_mixed_step, its, consts)
+        carry, ys = nested_scan(step, carry, part_xs, part.groups)
+        if g > 1:
+            ys = [y.reshape((part.count, *y.shape[2:])) for y in ys]
+        ys_parts.append(ys)
+        pos += part.count
+    ys = [p[0] if len(p) == 1 else jnp.concatenate(p, axis=0) for p in zip(*ys_parts)]
+    env.update(zip(eqn.outvars, list(carry) + ys))
+
+
+@functools.lru_cache(maxsize=16)
+def _named_chain(body: Body) -> tuple[ChainModel, ChainModel | None]:
+    """The body chain and its one-stage form, for the values their options keep by name
+    (what applying a plan needs): profiled from the body's structure alone (no XLA), so
+    a plan loaded in a fresh process replays exactly as the one just made."""
+    return (body_chain(body, measure_xla=False), whole_body_chain(body, measure_xla=False))
+
+
+def _taking(j: int, sharding=None) -> Callable:
+    """Layer j's slice of a group of stacked xs, then (fsdp) its gathered layout."""
+    def take(group):
+        x = group[j]
+        return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+    return take
+
+
+def _pinning_carry(it: Callable, pin: Callable) -> Callable:
+    """Iteration `it` with its carry in and out laid out by `pin`."""
+    def step(consts, carry, x):
+        carry, ys = it(consts, pin(carry), x)
+        return pin(carry), ys
+    return step
+
+
+def _mixed_step(its: Sequence[Callable], consts, carry, x):
+    """One iteration of a mixed scan: layer j of the g runs its[j], which takes its slice
+    x[j] of the group inside its checkpoints (body_step(take=j))."""
+    ys_all = []
+    for it in its:
+        carry, ys = it(consts, carry, x)
+        ys_all.append(ys)
+    return carry, [jnp.stack(y) for y in zip(*ys_all)]
+
+
+def nested_scan(it: Callable, carry, xs, groups: tuple[int, ...]):
+    """Scan `it` over xs; with groups (k, ...), an outer scan over checkpointed groups."""
+    if not groups:
+        return jax.lax.scan(it, carry, xs)
+    k = math.prod(groups)
+    n = xs[0].shape[0] if xs else None
+    if n is None:
+        raise ValueError("a nested scan needs xs to size its groups")
+    grouped = [x.reshape((n // k, k, *x.shape[1:])) for x in xs]
+
+    @jax.checkpoint
+    def group(c, xg):
+        return nested_scan(it, c, xg, groups[1:])
+
+    carry, ys = jax.lax.scan(group, carry, grouped)
+    return carry, [y.reshape((n, *y.shape[2:])) for y in ys]
+
+
+def run_with_policy(program: Program, index: int, policy, env: dict) -> None:
+    """Evaluate the scan at `index` with its body under a JAX checkpoint policy, as
+    `nn.remat(block, policy=...)` inside `nn.scan` would (the built-in comparison)."""
+    eqn = program.eqns[index]
+    body = layer_body(eqn)
+    consts, carry, xs = body.split([v.val if isinstance(v, Literal) else env[v]
+                                    for v in eqn.invars])
+    it = body_step(body, jax_policy=policy)
+    carry, ys = jax.lax.scan(lambda c, x: it(consts, c, x), carry, xs)
+    env.update(zip(eqn.outvars, list(carry) + list(ys)))

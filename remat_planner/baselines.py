@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 import jax
 
-from . import scan
+from . import apply, scan
 from .apply import block_ranges, builtin_policy_loss
 from .graph import definitions, last_uses
 from .memory import make_segment_fn, stage_io
@@ -74,9 +74,9 @@ def sqrt_grouping_loss(loss_fn: Callable, params, batch: Sequence,
             body = scan.layer_body(eqn)
             consts, carry, xs = body.split([v.val if isinstance(v, Literal) else env[v]
                                             for v in eqn.invars])
-            it = body.step(jax_policy=nothing)
+            it = apply.body_step(body, jax_policy=nothing)
             groups = (k,) if n >= 2 else ()  # a prime n is one group of n
-            carry, ys = scan._nested_scan(lambda c, x: it(consts, c, x), carry, xs, groups)
+            carry, ys = apply.nested_scan(lambda c, x: it(consts, c, x), carry, xs, groups)
             env.update(zip(eqn.outvars, list(carry) + list(ys)))
             eval_range(program, layer_scan + 1, len(program.eqns), env)
             return program.output(env)

@@ -275,7 +275,8 @@ def _build_workload(args, cfg):
 
 
 def _load(args):
-    from .budget import DEFAULT_UNITS, Units, parse_budget, units_of
+    from .budget import parse_budget, units_of
+    from .units import DEFAULT_UNITS, Units
     _check_writable(getattr(args, "out", None), directory=getattr(args, "out_is_dir", False))
     if args.cpu_devices is not None:
         from .errors import ConfigError
@@ -469,7 +470,7 @@ def _over_budget(args, plan, command: str):
 
 
 def round_up(n: int, units) -> int:
-    from .budget import round_up_display
+    from .units import round_up_display
     return round_up_display(n, units)
 
 
@@ -672,7 +673,7 @@ def _print_explanation(ex, an, plan, units) -> None:
     from rich.text import Text
     from rich.tree import Tree
 
-    from .budget import format_flops
+    from .units import format_flops
     from .describe import _sub_stages, keep_words, segment_name, stage_label
     fb = units.format
     console = _console()
@@ -824,7 +825,7 @@ def _frontier(args) -> int:
     from rich.console import Console
 
     from . import frontier as fr_mod
-    from .budget import DEFAULT_UNITS
+    from .units import DEFAULT_UNITS
     from .config import make_optimizer
     from .errors import ConfigError
 

@@ -11,8 +11,9 @@ import re
 from collections import Counter
 from typing import Sequence
 
-from .budget import DEFAULT_UNITS, Units, format_flops
-from .plan import DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Plan, Segment
+from .memory import _run
+from .plan import DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Plan, ScanScheme, Segment
+from .units import DEFAULT_UNITS, Units, format_flops
 
 # What a segment run with each keep option holds from its forward for its backward.
 KEEP_WORDS = {
@@ -156,7 +157,6 @@ def scan_words(option: str, sub_stages: Sequence[str] = ()) -> str:
     """A scan scheme in words: `scan:12x2*dots|dots_no_batch` -> `12 layers, 2 per
     iteration: attention keeps dots, MLP keeps projections`. `sub_stages`: the names of a
     layer's sub-stages (`sub_stage_label`); without them `part 1`, `part 2`."""
-    from .scan import ScanScheme
     scheme = ScanScheme.parse(option)
     texts = []
     for part in scheme.parts:
@@ -244,7 +244,6 @@ def segment_rows(plan: Plan, analysis=None) -> list[Row]:
             if s.children:
                 keeps = "only its inputs: one checkpoint around the segments below"
                 if chain is not None:
-                    from .memory import _run
                     kept = chain.region_input_bytes(s.start, s.stop)
                     flops = _run(chain, s.children, 0, inside_region=True)[1]
             else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .units import Units, format_bytes_short, round_up_display
+
 
 class RematPlannerError(Exception):
     """Base class for every error the planner reports to the user as one line."""
@@ -32,11 +34,9 @@ class InfeasibleBudgetError(RematPlannerError):
             budget_bytes: The budget the user asked for.
             min_feasible_bytes: Peak bytes of the smallest feasible plan.
             detail: Optional extra context appended to the message.
-            units: budget.Units to state sizes in (the family the budget was typed in);
+            units: units.Units to state sizes in (the family the budget was typed in);
                 None: decimal, with the binary figure beside the smallest feasible plan.
         """
-        # Imported here because budget.py imports this module at load time.
-        from remat_planner.budget import Units, format_bytes_short, round_up_display
 
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
@@ -57,7 +57,7 @@ class InfeasibleBudgetError(RematPlannerError):
         super().__init__(message)
 
     def in_units(self, units) -> "InfeasibleBudgetError":
-        """The same error with its sizes in `units` (a budget.Units)."""
+        """The same error with its sizes in `units` (a units.Units)."""
         return InfeasibleBudgetError(self.budget_bytes, self.min_feasible_bytes, self.detail,
                                      units)
 

@@ -11,11 +11,14 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from .describe import stage_label
 from .memory import _run, differentiated, make_segment_fn, stage_io, timeline, varying_values, vjp_wrt
-from .trace import nbytes
-from .plan import DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Plan, Segment
+from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Plan, Segment,
+                   is_scan_option)
 from .planner import Analysis
-from .scan import describe as describe_scan, is_scan_option
+from .scan import describe as describe_scan
+from .trace import nbytes
+from .units import DEFAULT_UNITS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +206,7 @@ def flax_names(an: Analysis, plan: Plan) -> list[dict]:
 
 def plot_memory(an: Analysis, plan: Plan, path: str, units=None) -> None:
     """Write the modelled live bytes over the step, with and without the plan, as PNG.
-    `units`: a budget.Units for the y axis (the budget's family; default decimal)."""
+    `units`: a units.Units for the y axis (the budget's family; default decimal)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -221,8 +224,6 @@ def memory_figure(an: Analysis, plan: Plan, units=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .budget import DEFAULT_UNITS
-    from .describe import stage_label
     units = units or DEFAULT_UNITS
 
     def name(i: int) -> str:

@@ -34,8 +34,15 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from . import planner
+from .budget import parse_budget
+from .errors import (InfeasibleBudgetError, PlanMismatchError, RematPlannerError,
+                     UnsupportedModelError)
+from .memory import _dot_outputs, simulate
 from .plan import DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Plan, Segment
+from .solve import Solution
 from .trace import Literal, Program
+from .verify import as_batch
 
 # Built-in policies that keep exactly the dot outputs of each keep rule.
 BUILTIN = {NOTHING: "jax.checkpoint_policies.nothing_saveable",
@@ -309,7 +316,6 @@ def _leaf_policy(program: Program, lo: int, hi: int,
 def _rule_outputs(program: Program, lo: int, hi: int, option: str) -> tuple[int, ...]:
     if option == NOTHING:
         return ()
-    from .memory import _dot_outputs
     return _dot_outputs(program, lo, hi, option)
 
 
@@ -330,7 +336,6 @@ def export_flax(plan: Plan, program: Program, classes: dict[str, str] | None = N
     def class_of(path: str) -> str | None:
         return classes.get(path.partition("/")[2]) or _class_name(path)
     if program.fingerprint() != plan.fingerprint:
-        from .errors import PlanMismatchError
         raise PlanMismatchError("plan was made for another computation than this program; "
                                 "export it with the analysis (or trace) it was made for")
     spans = _module_spans(program)
@@ -401,7 +406,6 @@ def module_classes(loss_fn: Callable, params, batch) -> dict[str, str]:
     import flax.linen as nn
     import jax
 
-    from .verify import as_batch
     found: dict[str, str] = {}
 
     def record(next_fun, args, kwargs, context):
@@ -503,12 +507,6 @@ def module_plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, ana
     Candidates go to XLA cheapest first, up to `max_compiles`; the first XLA fits is
     returned, with XLA's figures (`measured_peak_bytes`, `measured_flops`) from the replay.
     Raises InfeasibleBudgetError when no candidate fits or the step has no such module."""
-    from . import planner
-    from .budget import parse_budget
-    from .errors import InfeasibleBudgetError, UnsupportedModelError
-    from .memory import simulate
-    from .solve import Solution
-    from .verify import as_batch
 
     say = progress or (lambda msg: None)
     budget_bytes = parse_budget(budget)
@@ -553,7 +551,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     import sys
 
     from .config import build_workload, load_config, make_optimizer
-    from .errors import RematPlannerError
 
     p = argparse.ArgumentParser(prog="python -m remat_planner.export",
                                 description=main.__doc__.split(":", 1)[1].strip())
@@ -567,8 +564,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config, batch_size=args.batch_size, seq_len=args.seq_len)
         wl, optimizer = build_workload(cfg), make_optimizer(cfg.optimizer)
         say = lambda msg: print(msg, file=sys.stderr)
-        from .planner import analyze
-        an = analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, optimizer,
+        an = planner.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, optimizer,
                      has_aux=wl.has_aux, progress=say)
         plan = module_plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, args.budget,
                            optimizer, analysis=an, progress=say)

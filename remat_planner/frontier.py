@@ -36,8 +36,8 @@ import jax
 
 from . import baselines
 from . import planner as pl
-from .budget import DEFAULT_UNITS, Units
-from .errors import InfeasibleBudgetError
+from .errors import ConfigError, InfeasibleBudgetError
+from .units import DEFAULT_UNITS, Units
 from .verify import abstract, as_batch, make_step, measure
 
 fb = DEFAULT_UNITS.format  # progress messages; the files take the units they are given
@@ -531,7 +531,6 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
     run within its budget.
     """
     if points < MIN_POINTS:
-        from .errors import ConfigError
         raise ConfigError(f"--points must be at least {MIN_POINTS}, got {points}")
     step = step or (lambda d: None)
     say = say or (lambda m: None)
@@ -725,7 +724,7 @@ def _peak(p: Point, fb=DEFAULT_UNITS.format) -> str:
 
 
 def markdown(fr: Frontier, command: str = "", units: Units = DEFAULT_UNITS) -> str:
-    """frontier.md: sizes in `units` (budget.Units; the plot's axis uses the same)."""
+    """frontier.md: sizes in `units` (units.Units; the plot's axis uses the same)."""
     fb = units.format
 
     def _peak_(p: Point) -> str:

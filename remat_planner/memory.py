@@ -24,6 +24,7 @@ from .graph import (CostGraph, definitions, jaxpr_bytes, jaxpr_flops, last_uses,
 from .plan import DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Segment
 from .policies import dot_is_narrow
 from .trace import Literal, Program, eval_eqn, eval_range, nbytes
+from .sharding import per_device_bytes, step_shardings
 
 CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
@@ -88,7 +89,6 @@ def fixed_memory(params, batch, optimizer=None, sharding=None) -> FixedMemory:
 
 
 def _sharded_fixed_memory(params, batch, optimizer, spec) -> FixedMemory:
-    from .sharding import per_device_bytes, step_shardings
     sh = step_shardings(spec, params, batch, optimizer)
     p_leaves = jax.tree.leaves(params)
     s_leaves = jax.tree.leaves(sh.params, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))

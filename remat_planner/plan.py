@@ -5,7 +5,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any, Callable
+import math
+import re
+from typing import Any, Callable, Sequence
+from .errors import PlanMismatchError
+from .sharding import ShardingSpec
 
 PLAN_FORMAT_VERSION = 1
 
@@ -17,6 +21,124 @@ DOTS = "dots"              # ... plus outputs of every dot_general and convoluti
 # output is no larger than an operand: attention's probabilities @ values, not its scores
 DOTS_NARROW = "dots_narrow"
 KEEP_RULES = (NOTHING, DOTS_NO_BATCH, DOTS_NARROW, DOTS)  # checkpoint options, frugal first
+
+
+SCAN_PREFIX = "scan:"
+MAX_LAYERS_PER_ITERATION = 8   # mixed per-layer plans in one iteration (see layer_policies)
+_PART = re.compile(r"^(\d+)x([a-z_|()\[\];*0-9]+?)((?:/\d+)*)$")
+
+
+# ---------------------------------------------------------------------------------------
+# Scan schemes: the keep options of a layer-stack scan stage (their cost is scan.py's,
+# their replay apply.py's)
+# ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ScanPart:
+    """`count` consecutive iterations run with one per-iteration policy.
+
+    groups: () for a flat scan (every iteration keeps its residuals under `policy`);
+    (k,) for an outer scan over count/k checkpointed groups of k iterations each (only
+    the group inputs are kept; a group is recomputed in the backward pass); (k1, k2)
+    for groups of k1 sub-groups of k2 iterations, and so on.
+    """
+
+    count: int
+    policy: str
+    groups: tuple[int, ...] = ()
+
+    @property
+    def layers_per_iteration(self) -> int:
+        return len(layer_policies(self.policy))
+
+    @property
+    def iterations(self) -> int:
+        return self.count // self.layers_per_iteration
+
+    @property
+    def n_groups(self) -> int:
+        return self.iterations // math.prod(self.groups)
+
+    def spans(self) -> list[int]:
+        """Iterations covered by one item of each checkpointed level, outermost first."""
+        return [math.prod(self.groups[j:]) for j in range(len(self.groups))]
+
+    def label(self) -> str:
+        return f"{self.count}x{self.policy}" + "".join(f"/{k}" for k in self.groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanScheme:
+    """A layer stack run as consecutive scans (parts), in forward order."""
+
+    parts: tuple[ScanPart, ...]
+
+    @property
+    def option(self) -> str:
+        """The keep-option name of this scheme; a plain scan is `store`."""
+        if len(self.parts) == 1 and self.parts[0] == ScanPart(self.parts[0].count, STORE):
+            return STORE
+        return SCAN_PREFIX + "+".join(p.label() for p in self.parts)
+
+    @classmethod
+    def parse(cls, option: str) -> "ScanScheme":
+        """The scheme named `option`; ValueError if it is not a scan scheme name."""
+        if not is_scan_option(option):
+            raise ValueError(f"not a scan scheme: {option!r}")
+        parts = []
+        for text in option[len(SCAN_PREFIX):].split("+"):
+            m = _PART.match(text)
+            if m is None:
+                raise ValueError(f"bad scan scheme part {text!r} in {option!r}")
+            groups = tuple(int(k) for k in m.group(3).split("/")[1:])
+            part = ScanPart(int(m.group(1)), m.group(2), groups)
+            g = part.layers_per_iteration  # raises ValueError if malformed
+            if part.count < 1 or any(k < 2 for k in groups) or part.count % (g * math.prod(groups)):
+                raise ValueError(f"scan scheme part {text!r}: groups must be >= 2 and, times the "
+                                 "layers per iteration, divide the count")
+            parts.append(part)
+        return cls(tuple(parts))
+
+    @property
+    def length(self) -> int:
+        return sum(p.count for p in self.parts)
+
+
+def layer_policies(policy: str) -> list[str]:
+    """The per-layer plans of one iteration: `a;2*b` runs three layers per iteration of
+    the rebuilt scan (plans a, b, b), so layers can mix plans without splitting the stack
+    (the stacked parameters are reshaped, which is free, not sliced, which copies; each
+    layer's slice is taken inside its checkpoints, see part_cost)."""
+    names = []
+    for item in policy.split(";"):
+        count, star, name = item.partition("*")
+        if not star:
+            count, name = "1", item
+        if not count.isdigit() or int(count) < 1 or not name or "*" in name:
+            raise ValueError(f"bad per-iteration plan {policy!r}")
+        names += [name] * int(count)
+    return names
+
+
+def mixed_name(names: Sequence[str]) -> str:
+    """Inverse of layer_policies: runs of equal plans written `k*plan`, joined by `;`."""
+    runs: list[list] = []
+    for name in names:
+        if runs and runs[-1][1] == name:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, name])
+    return ";".join(name if k == 1 else f"{k}*{name}" for k, name in runs)
+
+
+def is_scan_option(option: str) -> bool:
+    return option.startswith(SCAN_PREFIX)
+
+
+def validate_option(option: str) -> None:
+    """Raise ValueError if `option` is a malformed scan scheme name."""
+    ScanScheme.parse(option)
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +238,7 @@ class Plan:
         (nesting as indentation) and what it keeps in words; with the `analysis`
         (`rp.analyze(...)` of the same step) also the bytes each keeps and the FLOPs it
         recomputes. Then each figure (budget, peaks, recompute) with its meaning. `units`:
-        a `remat_planner.budget.Units` (default decimal: MB, GB). `str(plan)` is
+        a `remat_planner.units.Units` (default decimal: MB, GB). `str(plan)` is
         `plan.summary()`; `repr(plan)` is the dataclass's."""
         from .describe import summary
         return summary(self, analysis, units)
@@ -144,7 +266,6 @@ class Plan:
         d = self.metadata.get("sharding")
         if not d:
             return None
-        from .sharding import ShardingSpec
         return ShardingSpec.from_dict(d)
 
     @property
@@ -185,7 +306,6 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         """Load a plan written by `to_json`; a damaged file raises PlanMismatchError."""
-        from .errors import PlanMismatchError
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
@@ -240,8 +360,7 @@ def validate_segments(segments, n_stages: int, start: int = 0) -> None:
     for s in segments:
         if s.start != pos or s.stop <= s.start:
             raise ValueError(f"segment [{s.start}, {s.stop}) does not continue at stage {pos}")
-        if s.option.startswith("scan:"):  # a scan scheme: one layer-stack stage, a leaf
-            from .scan import validate_option
+        if is_scan_option(s.option):  # a scan scheme: one layer-stack stage, a leaf
             validate_option(s.option)
             if s.stop - s.start != 1 or s.children:
                 raise ValueError("a scan scheme segment is exactly one stage without children")

@@ -27,10 +27,12 @@ from .memory import (ChainModel, FixedMemory, StageProfile, fixed_memory, per_pa
 from .sharding import (ShardingSpec, collective_outputs, gathered_params, unpaired_kernels,
                        with_unpaired)
 from .sharding import resolve as resolve_sharding
-from .plan import DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Plan, Segment, StageInfo
+from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, SCAN_PREFIX, STORE, Plan, Segment,
+                   StageInfo, is_scan_option)
 from .solve import ChainSolver, Solution
 from .trace import Program, trace
 from .verify import Measurement, abstract, as_batch, make_step, measure
+from .describe import _sub_stages
 
 Progress = Callable[[str], None]
 
@@ -203,7 +205,7 @@ def _scan_options(segments) -> list[str]:
     """Scan scheme names used anywhere in a segment tree."""
     out = []
     for s in segments:
-        if scan.is_scan_option(s.option):
+        if is_scan_option(s.option):
             out.append(s.option)
         out.extend(_scan_options(s.children))
     return out
@@ -245,7 +247,7 @@ def _calibrate_scan(an: Analysis, scanned: "scan.ScanChain", loss_fn, params, ba
     if an.sharding is not None and an.sharding.scheme != "dp":
         # The unplanned step as plans run it: the scan rebuilt with every sub-stage stored,
         # its weight slices gathered per iteration and its collective outputs tagged
-        # (scan.run_scheme), so that plans differ from it by their recomputation alone.
+        # (apply.run_scheme), so that plans differ from it by their recomputation alone.
         store = tuple(Segment(i, i + 1, scan.store_scheme(scanned.stack) if i == k else STORE)
                       for i in range(n))
         base = _plan_from_segments(an, store, 0, 0, params, batch).apply(loss_fn)
@@ -541,7 +543,6 @@ MAX_VERIFY_COMPILES = MAX_COMPILES - 2
 def _labels(an: Analysis, budget) -> dict:
     """What a plan records for reading it later without the analysis: the unit family
     its budget was written in, and a scanned layer's sub-stage roles."""
-    from .describe import _sub_stages
 
     labels = {"units": units_of(budget).value}
     if _sub_stages(an):
@@ -642,7 +643,7 @@ def per_block_plans(chain: ChainModel) -> list[tuple[Segment, ...]]:
     R the whole-body checkpoint under the rule: _scan_whole_body), where it has one."""
     spans = {a: (c, profile) for a, c, profile in chain.spans}
     scans = {k: s for k, s in enumerate(chain.stages)
-             if any(scan.is_scan_option(o.name) for o in s.options)}
+             if any(is_scan_option(o.name) for o in s.options)}
     plans = []
     for rule in PER_BLOCK_RULES if spans or scans else ():
         segments, i = [], 0
@@ -669,7 +670,7 @@ def per_block_plans(chain: ChainModel) -> list[tuple[Segment, ...]]:
 # sub-stage (`nothing|nothing`) recomputes the same and the solver has it already.
 _SCAN_WHOLE = {NOTHING: (), DOTS_NO_BATCH: ("[dots_no_batch]",),
                DOTS: ("[dots]", "[dots_narrow]", "[dots_no_batch]")}
-_SCAN_LAYERS = re.compile(rf"^{scan.SCAN_PREFIX}(\d+)x")
+_SCAN_LAYERS = re.compile(rf"^{SCAN_PREFIX}(\d+)x")
 
 
 def _scan_whole_body(stage: StageProfile, rule: str):
@@ -679,7 +680,7 @@ def _scan_whole_body(stage: StageProfile, rule: str):
     by_name = {o.name: o for o in stage.options}
     layers = next(m.group(1) for o in stage.options if (m := _SCAN_LAYERS.match(o.name)))
     return next((by_name[name] for plan in _SCAN_WHOLE[rule]
-                 if (name := f"{scan.SCAN_PREFIX}{layers}x{plan}") in by_name), None)
+                 if (name := f"{SCAN_PREFIX}{layers}x{plan}") in by_name), None)
 
 
 def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: list, loss_fn,

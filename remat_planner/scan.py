@@ -36,8 +36,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import math
-import re
 from typing import Callable, Sequence
 
 import jax
@@ -49,133 +47,20 @@ from .graph import (CostGraph, Stage, _stage_name, build_graph, crossing_bytes, 
 from .memory import (ChainModel, KeepOption, StageProfile, cut_overlap, profile_stages,
                      region_inputs, scale_chain, segment_keep, simulate, stage_io,
                      weighted_chain)
-from .plan import NOTHING, STORE, Segment, StageInfo
+from .plan import (MAX_LAYERS_PER_ITERATION, NOTHING, STORE, ScanPart, ScanScheme, Segment,
+                   StageInfo, layer_policies, mixed_name)
 from .solve import enumerate_plans
-from .trace import Eqn, Literal, Program, _Flattener, eval_range, nbytes
+from .trace import Eqn, Program, _Flattener, nbytes
 
-SCAN_PREFIX = "scan:"
 MIN_SHARE = 0.5         # a layer stack holds at least this share of the step's forward FLOPs
 MAX_SUB_STAGES = 2      # sub-stages of the body (attention | MLP): per-iteration plans over them
-_PART = re.compile(r"^(\d+)x([a-z_|()\[\];*0-9]+?)((?:/\d+)*)$")
-MAX_LAYERS_PER_ITERATION = 8   # mixed per-layer plans in one iteration (see layer_policies)
-
-
-# ---------------------------------------------------------------------------------------
-# Schemes: what a scan stage's keep option means
-# ---------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class ScanPart:
-    """`count` consecutive iterations run with one per-iteration policy.
-
-    groups: () for a flat scan (every iteration keeps its residuals under `policy`);
-    (k,) for an outer scan over count/k checkpointed groups of k iterations each (only
-    the group inputs are kept; a group is recomputed in the backward pass); (k1, k2)
-    for groups of k1 sub-groups of k2 iterations, and so on.
-    """
-
-    count: int
-    policy: str
-    groups: tuple[int, ...] = ()
-
-    @property
-    def layers_per_iteration(self) -> int:
-        return len(layer_policies(self.policy))
-
-    @property
-    def iterations(self) -> int:
-        return self.count // self.layers_per_iteration
-
-    @property
-    def n_groups(self) -> int:
-        return self.iterations // math.prod(self.groups)
-
-    def spans(self) -> list[int]:
-        """Iterations covered by one item of each checkpointed level, outermost first."""
-        return [math.prod(self.groups[j:]) for j in range(len(self.groups))]
-
-    def label(self) -> str:
-        return f"{self.count}x{self.policy}" + "".join(f"/{k}" for k in self.groups)
-
-
-@dataclasses.dataclass(frozen=True)
-class ScanScheme:
-    """A layer stack run as consecutive scans (parts), in forward order."""
-
-    parts: tuple[ScanPart, ...]
-
-    @property
-    def option(self) -> str:
-        """The keep-option name of this scheme; a plain scan is `store`."""
-        if len(self.parts) == 1 and self.parts[0] == ScanPart(self.parts[0].count, STORE):
-            return STORE
-        return SCAN_PREFIX + "+".join(p.label() for p in self.parts)
-
-    @classmethod
-    def parse(cls, option: str) -> "ScanScheme":
-        """The scheme named `option`; ValueError if it is not a scan scheme name."""
-        if not is_scan_option(option):
-            raise ValueError(f"not a scan scheme: {option!r}")
-        parts = []
-        for text in option[len(SCAN_PREFIX):].split("+"):
-            m = _PART.match(text)
-            if m is None:
-                raise ValueError(f"bad scan scheme part {text!r} in {option!r}")
-            groups = tuple(int(k) for k in m.group(3).split("/")[1:])
-            part = ScanPart(int(m.group(1)), m.group(2), groups)
-            g = part.layers_per_iteration  # raises ValueError if malformed
-            if part.count < 1 or any(k < 2 for k in groups) or part.count % (g * math.prod(groups)):
-                raise ValueError(f"scan scheme part {text!r}: groups must be >= 2 and, times the "
-                                 "layers per iteration, divide the count")
-            parts.append(part)
-        return cls(tuple(parts))
-
-    @property
-    def length(self) -> int:
-        return sum(p.count for p in self.parts)
-
-
-def layer_policies(policy: str) -> list[str]:
-    """The per-layer plans of one iteration: `a;2*b` runs three layers per iteration of
-    the rebuilt scan (plans a, b, b), so layers can mix plans without splitting the stack
-    (the stacked parameters are reshaped, which is free, not sliced, which copies; each
-    layer's slice is taken inside its checkpoints, see part_cost)."""
-    names = []
-    for item in policy.split(";"):
-        count, star, name = item.partition("*")
-        if not star:
-            count, name = "1", item
-        if not count.isdigit() or int(count) < 1 or not name or "*" in name:
-            raise ValueError(f"bad per-iteration plan {policy!r}")
-        names += [name] * int(count)
-    return names
-
-
-def mixed_name(names: Sequence[str]) -> str:
-    """Inverse of layer_policies: runs of equal plans written `k*plan`, joined by `;`."""
-    runs: list[list] = []
-    for name in names:
-        if runs and runs[-1][1] == name:
-            runs[-1][0] += 1
-        else:
-            runs.append([1, name])
-    return ";".join(name if k == 1 else f"{k}*{name}" for k, name in runs)
-
-
-def is_scan_option(option: str) -> bool:
-    return option.startswith(SCAN_PREFIX)
-
-
-def validate_option(option: str) -> None:
-    """Raise ValueError if `option` is a malformed scan scheme name."""
-    ScanScheme.parse(option)
 
 
 # ---------------------------------------------------------------------------------------
 # Recognising the layer stack
 # ---------------------------------------------------------------------------------------
 
-def _eqn_flops(program: Program, e: Eqn) -> float:
+def eqn_flops_of(program: Program, e: Eqn) -> float:
     in_avals = [program.avals[v] if isinstance(v, int) else np.asarray(v.val) for v in e.invars]
     return eqn_flops(e.name, e.params, in_avals, [program.avals[v] for v in e.outvars])
 
@@ -187,7 +72,7 @@ def find_layer_scan(program: Program) -> int | None:
     least half of the program's forward FLOPs (the blocks of a transformer); any other
     scan (a cumulative op, a small recurrence) stays an opaque equation.
     """
-    flops = [_eqn_flops(program, e) for e in program.eqns]
+    flops = [eqn_flops_of(program, e) for e in program.eqns]
     total = sum(flops)
     best = None
     for i, e in enumerate(program.eqns):
@@ -290,59 +175,10 @@ class Body:
         nc, ncar = self.num_consts, self.num_carry
         return list(invals[:nc]), list(invals[nc:nc + ncar]), list(invals[nc + ncar:])
 
-    def step(self, segments: Sequence | None = None, jax_policy=None, *,
-             regather: dict | None = None, pinned: frozenset[int] = frozenset(),
-             take: int | None = None) -> Callable:
-        """One iteration `(consts, carry, x) -> (carry, y)`: the body replayed with the
-        per-iteration plan `segments` over its sub-stages (apply.run_segments, as for a
-        whole program), or checkpointed whole under a JAX policy (`nn.remat` per block).
-
-        Sharded (sharding.scan_body_shardings): `regather` weight slices are all-gathered
-        in every sub-stage using them and never kept; `pinned` values (tensor-parallel
-        partial sums, all-reduced) are kept by every checkpoint.
-
-        With `take=j` (layer j of a mixed iteration, see run_scheme) the xs arrive as the
-        iteration's group of g layers and layer j's slice is taken inside every sub-stage
-        that uses it, like a regathered weight: the checkpoints' inputs are then the
-        scan's own xs, which JAX's scan forwards to the backward without stacking a copy,
-        where slices taken outside them would be stacked (one copy of the parameters)."""
-        body, ncar = self.program, self.num_carry
-        outs = body.outvars
-        xs_ids = body.invars[self.num_consts + ncar:]
-        if take is not None:
-            regather = dict(regather or {})
-            for v in xs_ids:
-                regather[v] = _taking(take, regather.get(v))
-
-        def fn(*args):
-            env = body.bind(args)
-            if segments is None:
-                eval_range(body, 0, len(body.eqns), env)
-            else:
-                from .apply import run_segments
-                last, defs = _body_uses(self)
-                run_segments(body, self, segments, env, last, defs, pinned, regather,
-                             in_scan=True)
-            return [jnp.asarray(v.val, a.dtype) if isinstance(v, Literal)
-                    else env[v][take] if take is not None and v in xs_ids else env[v]
-                    for v, a in zip(outs, body.avals_out)]
-
-        f = fn if jax_policy is None else jax.checkpoint(fn, policy=jax_policy, prevent_cse=False)
-
-        def it(consts, carry, x):
-            out = f(*consts, *carry, *x)
-            return list(out[:ncar]), list(out[ncar:])
-        return it
-
     @property
     def stages(self) -> tuple[StageInfo, ...]:
         """Sub-stages as a Plan's stages (what apply.run_segments reads)."""
         return tuple(StageInfo(st.start, st.stop, st.name) for st in self.cost.stages)
-
-
-@functools.lru_cache(maxsize=32)
-def _body_uses(body: Body):
-    return last_uses(body.program), definitions(body.program)
 
 
 @functools.lru_cache(maxsize=32)
@@ -579,7 +415,6 @@ def profile_layer_stack(program: Program, index: int, *, measure_xla: bool = Tru
                                for v in eqn.invars])
     chain = body_chain(body, measure_xla=measure_xla)
     whole = whole_body_chain(body, measure_xla=measure_xla)
-    _CHAINS[_body_key(body)] = (chain, whole)
     return LayerStack(eqn.params["length"], sum(nbytes(a) for a in carry),
                       sum(nbytes(a) // a.shape[0] for a in xs if _is_float(a)),
                       jaxpr_flops(eqn.params["jaxpr"]), chain, iteration_plans(chain, whole),
@@ -669,7 +504,7 @@ def part_cost(stack: LayerStack, part: ScanPart) -> SchemeCost:
 
     Flat: every iteration keeps what its plan keeps (stacked by the scan), and the peak
     is the last iteration's own on top of the others'. An iteration of g layers takes
-    each layer's parameter slice inside its checkpoints (Body.step(take=j)), so the
+    each layer's parameter slice inside its checkpoints (apply.body_step(take=j)), so the
     parameters are forwarded to the backward as xs, not copied (measured on GPT-2 small:
     a `a;b` iteration peaks at the mean of the `a` and `b` scans, 9.102 GiB against 8.961
     and 9.243; slicing outside the checkpoints cost +340 MB, a copy of the parameters).
@@ -892,135 +727,6 @@ def calibration_scheme(stack: LayerStack) -> str:
 # Rebuilding the scan (apply)
 # ---------------------------------------------------------------------------------------
 
-def run_scheme(program: Program, index: int, option: str, env: dict,
-               scan_sharding=None) -> None:
-    """Evaluate the scan at equation `index` on `env` following scheme `option`; with
-    `scan_sharding` (ShardingSpec, parameter specs by id: fsdp or tp), each iteration
-    gathers its weight slices and keeps its collective outputs (Body.step), and under tp
-    its carry is replicated over `model` (sharding.carry_constraint)."""
-    eqn = program.eqns[index]
-    body = layer_body(eqn)
-    regather, pinned, pin_carry = None, frozenset(), None
-    if scan_sharding is not None:
-        from .sharding import carry_constraint, scan_body_shardings
-        regather, pinned = scan_body_shardings(eqn, body.program, scan_sharding[1],
-                                               scan_sharding[0])
-        pin_carry = carry_constraint(scan_sharding[0])
-    scheme = ScanScheme.parse(option)
-    if scheme.length != body.length:
-        from .errors import PlanMismatchError
-        raise PlanMismatchError(f"scan scheme {option!r} covers {scheme.length} iterations, the "
-                                f"scan has {body.length}; re-plan for this model")
-    chain, whole = _named_chain(body)
-    try:
-        plans = [[parse_plan(name, chain, whole=whole) for name in layer_policies(part.policy)]
-                 for part in scheme.parts]
-    except ValueError as e:
-        from .errors import PlanMismatchError
-        raise PlanMismatchError(f"{e}; re-plan for this model") from None
-    consts, carry, xs = body.split([v.val if isinstance(v, Literal) else env[v]
-                                    for v in eqn.invars])
-    pos, ys_parts = 0, []
-    for part, layer_segments in zip(scheme.parts, plans):
-        part_xs = xs if part.count == body.length else [
-            jax.lax.slice_in_dim(x, pos, pos + part.count) for x in xs]
-        g = len(layer_segments)
-        its = [body.step(segments, regather=regather, pinned=pinned,
-                         take=j if g > 1 else None)
-               for j, segments in enumerate(layer_segments)]
-        if pin_carry is not None:
-            carry = pin_carry(carry)
-            its = [_pinning_carry(f, pin_carry) for f in its]
-        if g == 1:
-            step = lambda c, x, _it=its[0]: _it(consts, c, x)  # noqa: E731
-        else:
-            # g layers per iteration: the stacked xs are reshaped (free), not sliced.
-            part_xs = [x.reshape((part.count // g, g, *x.shape[1:])) for x in part_xs]
-            step = functools.partial(_mixed_step, its, consts)
-        carry, ys = _nested_scan(step, carry, part_xs, part.groups)
-        if g > 1:
-            ys = [y.reshape((part.count, *y.shape[2:])) for y in ys]
-        ys_parts.append(ys)
-        pos += part.count
-    ys = [p[0] if len(p) == 1 else jnp.concatenate(p, axis=0) for p in zip(*ys_parts)]
-    env.update(zip(eqn.outvars, list(carry) + ys))
-
-
-_CHAINS: dict[str, tuple[ChainModel, ChainModel | None]] = {}
-
-
-def _body_key(body: Body) -> str:
-    return str(body.eqn.params["jaxpr"])
-
-
-def _named_chain(body: Body) -> tuple[ChainModel, ChainModel | None]:
-    """The body chain and its one-stage form, for the values their options keep by name
-    (what applying a plan needs); measured at analysis, else profiled without XLA here."""
-    key = _body_key(body)
-    if key not in _CHAINS:
-        if len(_CHAINS) > 16:
-            _CHAINS.clear()
-        _CHAINS[key] = (body_chain(body, measure_xla=False),
-                        whole_body_chain(body, measure_xla=False))
-    return _CHAINS[key]
-
-
-def _taking(j: int, sharding=None) -> Callable:
-    """Layer j's slice of a group of stacked xs, then (fsdp) its gathered layout."""
-    def take(group):
-        x = group[j]
-        return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
-    return take
-
-
-def _pinning_carry(it: Callable, pin: Callable) -> Callable:
-    """Iteration `it` with its carry in and out laid out by `pin`."""
-    def step(consts, carry, x):
-        carry, ys = it(consts, pin(carry), x)
-        return pin(carry), ys
-    return step
-
-
-def _mixed_step(its: Sequence[Callable], consts, carry, x):
-    """One iteration of a mixed scan: layer j of the g runs its[j], which takes its slice
-    x[j] of the group inside its checkpoints (Body.step(take=j))."""
-    ys_all = []
-    for it in its:
-        carry, ys = it(consts, carry, x)
-        ys_all.append(ys)
-    return carry, [jnp.stack(y) for y in zip(*ys_all)]
-
-
-def _nested_scan(it: Callable, carry, xs, groups: tuple[int, ...]):
-    """Scan `it` over xs; with groups (k, ...), an outer scan over checkpointed groups."""
-    if not groups:
-        return jax.lax.scan(it, carry, xs)
-    k = math.prod(groups)
-    n = xs[0].shape[0] if xs else None
-    if n is None:
-        raise ValueError("a nested scan needs xs to size its groups")
-    grouped = [x.reshape((n // k, k, *x.shape[1:])) for x in xs]
-
-    @jax.checkpoint
-    def group(c, xg):
-        return _nested_scan(it, c, xg, groups[1:])
-
-    carry, ys = jax.lax.scan(group, carry, grouped)
-    return carry, [y.reshape((n, *y.shape[2:])) for y in ys]
-
-
-def run_with_policy(program: Program, index: int, policy, env: dict) -> None:
-    """Evaluate the scan at `index` with its body under a JAX checkpoint policy, as
-    `nn.remat(block, policy=...)` inside `nn.scan` would (the built-in comparison)."""
-    eqn = program.eqns[index]
-    body = layer_body(eqn)
-    consts, carry, xs = body.split([v.val if isinstance(v, Literal) else env[v]
-                                    for v in eqn.invars])
-    it = body.step(jax_policy=policy)
-    carry, ys = jax.lax.scan(lambda c, x: it(consts, c, x), carry, xs)
-    env.update(zip(eqn.outvars, list(carry) + list(ys)))
-
-
 # ---------------------------------------------------------------------------------------
 # The chain with the layer stack as one stage
 # ---------------------------------------------------------------------------------------
@@ -1092,21 +798,6 @@ def profile_chain(program: Program, cost: CostGraph, *, measure_xla: bool = True
     chain = ChainModel(stages, boundary, cut_overlap(program, cost, last, defs),
                        region_inputs(program, cost, boundary, last, defs))
     return ScanChain(cost, chain, k, index, stack, input_bytes)
-
-
-def run_stage(program: Program, lo: int, hi: int, option: str, env: dict,
-              scan_sharding=None) -> None:
-    """Evaluate equations [lo, hi) on `env`, the layer-stack scan among them following
-    scheme `option` (sharded: see run_scheme)."""
-    index = max((i for i in range(lo, hi) if program.eqns[i].name == "scan"),
-                key=lambda i: _eqn_flops(program, program.eqns[i]), default=None)
-    if index is None:
-        from .errors import PlanMismatchError
-        raise PlanMismatchError(f"the plan runs stage equations [{lo}, {hi}) as a scan, "
-                                "but they hold none; re-plan for this model")
-    eval_range(program, lo, index, env)
-    run_scheme(program, index, option, env, scan_sharding)
-    eval_range(program, index + 1, hi, env)
 
 
 def describe(option: str) -> str:

@@ -33,6 +33,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .errors import ConfigError
+from .trace import abstract, as_batch, nbytes, trace
+
 
 SCHEMES = ("dp", "fsdp", "tp", "fsdp+tp")
 MODEL_AXIS = "model"
@@ -283,7 +285,6 @@ def step_shardings(spec: ShardingSpec, params, batch, optimizer=None) -> StepSha
 
 def per_device_bytes(tree, shardings) -> int:
     """Bytes of one device's shards of `tree` (leaves: arrays or ShapeDtypeStructs)."""
-    from .trace import nbytes
     total = 0
     for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(
             shardings, is_leaf=lambda v: isinstance(v, NamedSharding))):
@@ -584,8 +585,6 @@ def with_unpaired(spec: ShardingSpec, loss_fn, params, batch, has_aux: bool = Fa
     on abstract shapes); unchanged without tensor parallelism."""
     if spec is None or spec.model_axis is None:
         return spec
-    from .trace import trace
-    from .verify import as_batch
     program = trace(loss_fn, params, *as_batch(batch), has_aux=has_aux)
     return dataclasses.replace(spec, replicated=unpaired_kernels(program, params, spec))
 
@@ -641,7 +640,7 @@ def scan_body_shardings(eqn, body_program, param_specs_by_id: dict[int, P],
     tensor-parallel collective). A stacked parameter's slice has the stack's spec without
     its leading (layer) dimension; a parameter passed as a scan constant keeps its spec.
 
-    The scan rebuilt by a plan (scan.run_scheme) gathers each iteration's weights at the
+    The scan rebuilt by a plan (apply.run_scheme) gathers each iteration's weights at the
     start of every sub-stage and does not keep them: the backward gathers them again once
     per iteration (as ZeRO-3 does, and as XLA does for the scan without remat), and that
     one gather serves both the recomputation and the gradient. Keeping them would stack
@@ -699,7 +698,6 @@ def gathered_params(program, params, spec: ShardingSpec) -> dict[int, tuple[P, i
     backward does not all-gather them again (apply.run_segments)."""
     if spec is None or spec.scheme not in ("fsdp", "fsdp+tp"):
         return {}
-    from .trace import nbytes
     specs = jax.tree.leaves(param_specs(params, spec), is_leaf=lambda x: isinstance(x, P))
     out = {}
     for vid, s in zip(program.invars[:program.n_param_leaves], specs):
@@ -717,7 +715,6 @@ def shard_arrays(params, batch, opt_state=None, *, optimizer=None, mesh=None, sh
     """Place real `params`, `batch` (and `opt_state`) on the mesh as the scheme shards them
     (`jax.device_put` with their NamedShardings); returns them in the same order."""
     spec = resolve(mesh, sharding)
-    from .verify import abstract, as_batch
     batch = as_batch(batch)
     sh = step_shardings(spec, abstract(params), abstract(batch),
                         optimizer if opt_state is not None else None)

@@ -15,6 +15,18 @@ from typing import Any, Callable
 import jax
 import numpy as np
 from jax.extend import core as jcore
+from .errors import UnsupportedModelError
+
+
+def as_batch(batch) -> tuple:
+    """Batch arguments as a tuple: loss_fn(params, *batch)."""
+    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+
+
+def abstract(tree):
+    """Shapes and dtypes of a tree of arrays (nothing allocated)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
 
 # Call primitives whose body is plain JAX and can be inlined without changing semantics.
 _INLINE_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
@@ -134,7 +146,6 @@ def nbytes(x) -> int:
 def _abstractify(tree):
     """ShapeDtypeStructs of the arguments; UnsupportedModelError naming a leaf that is not
     an array (a Python number, string, list ...)."""
-    from .errors import UnsupportedModelError
 
     def one(path, x):
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
@@ -149,7 +160,6 @@ def _abstractify(tree):
 
 def _check_batch_not_empty(batch) -> None:
     """A batch whose every array is empty (batch size 0) is a step with nothing to plan."""
-    from .errors import UnsupportedModelError
     leaves = jax.tree.leaves(batch)
     if leaves and all(int(np.prod(l.shape, dtype=np.int64)) == 0 for l in leaves):
         shapes = ", ".join(f"{l.dtype}{list(l.shape)}" for l in leaves)
@@ -166,7 +176,6 @@ def trace(loss_fn: Callable, params, *batch, has_aux: bool = False) -> Program:
         (aux: any pytree of arrays, e.g. updated BatchNorm statistics).
       params, batch: arrays or jax.ShapeDtypeStruct pytrees; nothing is allocated.
     """
-    from .errors import UnsupportedModelError
 
     abstract_args = _abstractify((params, *batch))
     _check_batch_not_empty(abstract_args[1:])

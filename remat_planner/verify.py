@@ -12,11 +12,13 @@ import time
 from typing import Callable, Sequence
 
 import jax
-import numpy as np
 from jax.extend import core as jcore
 
 from .graph import jaxpr_flops
 from .memory import compiler_options, measure_compiler_options
+from .trace import abstract, as_batch
+from .errors import ConfigError
+from .sharding import communication, resolve, step_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,15 +39,6 @@ class Measurement:
     # Sharded steps: collectives in the compiled program, {kind: {"count", "bytes"}}
     # (sharding.communication); None for a single-device step.
     communication: dict | None = None
-
-
-def as_batch(batch) -> tuple:
-    """Batch arguments as a tuple: loss_fn(params, *batch)."""
-    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-
-
-def abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
 def make_step(loss_fn: Callable, optimizer=None, has_aux: bool = False) -> Callable:
@@ -75,7 +68,6 @@ def jit_kwargs(sharding, params, batch, optimizer=None, has_aux: bool = False) -
     to XLA); {} without one."""
     if sharding is None:
         return {}
-    from .sharding import step_shardings
     sh = step_shardings(sharding, params, batch, optimizer)
     aux = (None,) if has_aux else ()
     if optimizer is None:
@@ -125,7 +117,6 @@ def measure(loss_fn: Callable, params, batch, optimizer=None, has_aux: bool = Fa
         flops = jaxpr_flops(traced.jaxpr)
     comm = None
     if sharding is not None:
-        from .sharding import communication
         comm = communication(compiled.as_text()).to_dict()
     return Measurement(int(peak), flops, int(ma.argument_size_in_bytes),
                        int(ma.output_size_in_bytes), int(ma.alias_size_in_bytes),
@@ -154,7 +145,6 @@ def train_step(loss_fn: Callable, optimizer, plan=None, has_aux: bool = False, *
     ShapeDtypeStructs) to build them, and arguments are resharded to them by jit if they
     are not placed so already (place them with `rp.shard_arrays` to avoid the copy).
     """
-    from .sharding import resolve
     spec = resolve(mesh, sharding)
     made_for = plan.sharding if plan is not None else None
     if made_for is not None and (spec is None or dataclasses.replace(spec, replicated=())
@@ -165,7 +155,6 @@ def train_step(loss_fn: Callable, optimizer, plan=None, has_aux: bool = False, *
     kw = {}
     if spec is not None:
         if params is None or batch is None:
-            from .errors import ConfigError
             raise ConfigError("a sharded train_step needs params= and batch= (shapes suffice) "
                               "to build its shardings")
         kw = jit_kwargs(spec, abstract(params), abstract(as_batch(batch)), optimizer, has_aux)

@@ -6,7 +6,9 @@ import math
 
 import pytest
 
-from remat_planner.budget import format_bytes, format_bytes_short, parse_budget
+from remat_planner.budget import parse_budget
+
+from remat_planner.units import format_bytes, format_bytes_short
 from remat_planner.errors import BudgetError, ConfigError, InfeasibleBudgetError
 
 

@@ -231,7 +231,7 @@ def test_mixed_plans_are_in_the_frontier_and_priced_as_their_layers(analysis):
     a, b = st.plan("dots|dots_no_batch"), st.plan("nothing|nothing")
     mixed = scan.part_cost(st, scan.ScanPart(st.length, f"{a.name};{b.name}"))
     # the layers' keeps add up; their parameter slices are taken inside the checkpoints,
-    # so the parameters are not copied (Body.step(take=j))
+    # so the parameters are not copied (apply.body_step(take=j))
     assert mixed.keep_bytes == st.length // 2 * (a.keep_bytes + b.keep_bytes)
     assert mixed.recompute_flops == pytest.approx(st.length // 2 * (a.recompute_flops
                                                                      + b.recompute_flops))

@@ -15,12 +15,12 @@ import pytest
 
 import remat_planner as rp
 from remat_planner import planner as pl
-from remat_planner.budget import (DEFAULT_UNITS, Units, format_flops, parse_budget,
-                                  round_up_display, units_of)
+from remat_planner.budget import parse_budget, units_of
 from remat_planner.cli import main
 from remat_planner.config import build_workload, load_config, make_optimizer
 from remat_planner.describe import scan_words, stage_label
 from remat_planner.errors import InfeasibleBudgetError
+from remat_planner.units import DEFAULT_UNITS, Units, format_flops, round_up_display
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "gpt2-tiny.yaml")

@@ -1,0 +1,108 @@
+"""The package's import graph has no cycle (docs/architecture.md).
+
+Every import inside `remat_planner` counts, at module level or inside a function, except
+the few a public method of the plan data needs to reach the stages above it (ALLOWED:
+`Plan.apply` replays, `Plan.summary` describes, `Plan.as_flax_names` / `Plan.to_flax`
+export). Read from the source with `ast`, so nothing is imported to check it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+PACKAGE = Path(__file__).resolve().parent.parent / "remat_planner"
+
+# (module, function, imported module): the documented lazy imports, one per public method.
+ALLOWED = {
+    ("remat_planner.plan", "apply", "remat_planner.apply"),
+    ("remat_planner.plan", "as_flax_names", "remat_planner.explain"),
+    ("remat_planner.plan", "summary", "remat_planner.describe"),
+    ("remat_planner.plan", "to_flax", "remat_planner.export"),
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path):
+    """(imported module, enclosing function or None) for every import in `path`."""
+    module = _module_name(path)
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    tree = ast.parse(path.read_text())
+
+    def walk(node, function):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield from walk(child, child.name)
+                continue
+            if isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package[:len(package) - (child.level - 1)]
+                    targets = ([".".join(base + [child.module])] if child.module
+                               else [".".join(base + [a.name]) for a in child.names])
+                else:
+                    targets = [child.module or ""]
+                for t in targets:
+                    yield t, function
+            elif isinstance(child, ast.Import):
+                for a in child.names:
+                    yield a.name, function
+            yield from walk(child, function)
+
+    yield from walk(tree, None)
+
+
+def import_graph(allowed=frozenset(ALLOWED)) -> tuple[nx.DiGraph, set]:
+    """The graph of imports between the package's modules, and the allowed lazy imports
+    that were found (so a renamed method cannot leave a stale entry behind)."""
+    files = sorted(PACKAGE.rglob("*.py"))
+    modules = {_module_name(f) for f in files}
+    graph, seen = nx.DiGraph(), set()
+    graph.add_nodes_from(modules)
+    for f in files:
+        src = _module_name(f)
+        for target, function in _imports(f):
+            while target and target not in modules:  # `from .models.layers import x`
+                target = target.rpartition(".")[0]
+            if not target or target == src or target == "remat_planner":
+                continue
+            if (src, function, target) in allowed:
+                seen.add((src, function, target))
+                continue
+            graph.add_edge(src, target)
+    return graph, seen
+
+
+def test_no_import_cycle():
+    graph, seen = import_graph()
+    cycles = list(nx.simple_cycles(graph))
+    assert not cycles, "import cycles in remat_planner: " + "; ".join(
+        " -> ".join(c + [c[0]]) for c in cycles[:5])
+    assert seen == ALLOWED, f"allowed lazy imports not found: {ALLOWED - seen}"
+
+
+def test_the_check_sees_a_cycle_through_a_function_level_import():
+    """Without the allowance, Plan.apply's import closes a cycle (plan -> apply -> plan):
+    the check reads imports inside functions too."""
+    graph, _ = import_graph(allowed=frozenset())
+    assert any({"remat_planner.plan", "remat_planner.apply"} <= set(c)
+               for c in nx.simple_cycles(graph))
+
+
+def test_pipeline_order():
+    """The stages import only what is below them: trace <- graph <- memory <- solve <-
+    scan <- apply <- verify <- planner, and the front ends sit above the planner."""
+    graph, _ = import_graph()
+    order = ["trace", "graph", "memory", "solve", "scan", "apply", "verify", "planner"]
+    rank = {f"remat_planner.{m}": i for i, m in enumerate(order)}
+    for a, b in graph.edges:
+        if a in rank and b in rank:
+            assert rank[b] < rank[a], f"{a} imports {b}, a later stage"
+    for front in ("cli", "frontier", "maxbatch", "explain", "export"):
+        assert not any(graph.has_edge(f"remat_planner.{m}", f"remat_planner.{front}")
+                       for m in order), f"a pipeline stage imports the front end {front}"
