@@ -17,7 +17,9 @@ from remat_planner.apply import builtin_policy_loss
 from remat_planner.errors import PlanMismatchError
 from remat_planner.memory import simulate
 from remat_planner.models.gpt2_workload import GPT2Settings, build_gpt2
-from remat_planner.plan import NOTHING, STORE, Plan, Segment, validate_segments
+from remat_planner.plan import (MAX_LAYERS_PER_ITERATION, NOTHING, STORE, Plan, ScanPart,
+                                ScanScheme, Segment, is_scan_option, layer_policies, mixed_name,
+                                validate_segments)
 from remat_planner.solve import ChainSolver
 from remat_planner.trace import trace
 from remat_planner.verify import measure
@@ -87,7 +89,7 @@ def test_layer_scan_is_found_and_becomes_one_stage(scanned, analysis):
     assert (stage.start, stage.stop) == (index, index + 1)
     assert stage.name == "GPT2/h"
     names = [o.name for o in analysis.chain.stages[k].options]
-    assert names[:2] == [STORE, NOTHING] and all(scan.is_scan_option(n) for n in names[2:])
+    assert names[:2] == [STORE, NOTHING] and all(is_scan_option(n) for n in names[2:])
     # nested (sqrt(n)) schemes and mixed per-layer plans (a split in two scans, or
     # iterations of several layers; the latter copy no parameters and usually win)
     assert any("/" in n for n in names) and any("+" in n or ";" in n for n in names)
@@ -143,7 +145,7 @@ def test_planning_work_does_not_grow_with_layers():
                                     "scan:12x2*nothing|nothing;dots|store/2",
                                     "scan:12xstore|store;(nothing|nothing)"])
 def test_scheme_names_round_trip(option):
-    scheme = scan.ScanScheme.parse(option)
+    scheme = ScanScheme.parse(option)
     assert scheme.option == option and scheme.length == 12
 
 
@@ -153,7 +155,7 @@ def test_scheme_names_round_trip(option):
                                     "scan:4xnothing;store/4"])
 def test_bad_scheme_names_are_refused(option):
     with pytest.raises(ValueError):
-        scan.ScanScheme.parse(option)
+        ScanScheme.parse(option)
     with pytest.raises(ValueError):  # what Plan.from_json checks a plan file's segments with
         validate_segments((Segment(0, 1, STORE), Segment(1, 2, option)), 2)
     with pytest.raises(ValueError, match="exactly one stage"):
@@ -219,9 +221,9 @@ def test_nested_scheme_peak_predicted_within_5pct(analysis, scanned):
 def test_mixed_iteration_model():
     """`a;2*b`: three layers per iteration; kept bytes and recompute add up, and the peak
     is the worst layer's backward with the earlier layers' keeps held."""
-    assert scan.layer_policies("a|b;2*c|d") == ["a|b", "c|d", "c|d"]
-    assert scan.mixed_name(["a|b", "c|d", "c|d"]) == "a|b;2*c|d"
-    part = scan.ScanPart(12, "x;2*y", (2,))
+    assert layer_policies("a|b;2*c|d") == ["a|b", "c|d", "c|d"]
+    assert mixed_name(["a|b", "c|d", "c|d"]) == "a|b;2*c|d"
+    part = ScanPart(12, "x;2*y", (2,))
     assert (part.layers_per_iteration, part.iterations, part.n_groups) == (3, 4, 2)
 
 
@@ -229,7 +231,7 @@ def test_mixed_plans_are_in_the_frontier_and_priced_as_their_layers(analysis):
     index = scan.find_layer_scan(analysis.program)
     st = scan.profile_layer_stack(analysis.program, index, measure_xla=False)
     a, b = st.plan("dots|dots_no_batch"), st.plan("nothing|nothing")
-    mixed = scan.part_cost(st, scan.ScanPart(st.length, f"{a.name};{b.name}"))
+    mixed = scan.part_cost(st, ScanPart(st.length, f"{a.name};{b.name}"))
     # the layers' keeps add up; their parameter slices are taken inside the checkpoints,
     # so the parameters are not copied (apply.body_step(take=j))
     assert mixed.keep_bytes == st.length // 2 * (a.keep_bytes + b.keep_bytes)
@@ -306,7 +308,7 @@ def test_xla_peak_within_budget_at_three_budgets(analysis, scanned, real_inputs,
                     OPT, analysis=own)
         assert p.measured_peak_bytes <= budget, (budget, p.measured_peak_bytes, p.segments)
         plans.append(p)
-    assert any(scan.is_scan_option(s.option) for p in plans for s in p.segments)
+    assert any(is_scan_option(s.option) for p in plans for s in p.segments)
     assert plans[0].recompute_flops >= plans[-1].recompute_flops
     params, batch = real_inputs
     _assert_grads_equal(jax.jit(jax.grad(plans[0].apply(scanned.loss_fn)))(params, *batch),
@@ -347,7 +349,7 @@ def test_unrolled_and_scanned_plans_cost_the_same():
     program = as_.program
     stack = scan.profile_layer_stack(program, scan.find_layer_scan(program), measure_xla=False)
     mixed = max(scan.mixed_cotangent_bytes(stack, g)
-                for g in range(2, min(stack.length - 1, scan.MAX_LAYERS_PER_ITERATION) + 1)
+                for g in range(2, min(stack.length - 1, MAX_LAYERS_PER_ITERATION) + 1)
                 if stack.length % g == 0)
     eps = 2 * stack.length * stack.xs_bytes + mixed + 2 * stack.carry_bytes
     lo = max(su.min_feasible_bytes(), ss.min_feasible_bytes())
