@@ -133,14 +133,10 @@ def test_budget_suggested_after_xla_measured_every_plan_over_fits(plain):
     assert p.measured_peak_bytes <= suggested
 
 
-@pytest.mark.xfail(strict=True, raises=rp.InfeasibleBudgetError, reason=(
-    "the budget suggested before any compile is the model's smallest feasible budget, "
-    "which XLA does not fit: at the suggested 3.51 MB the model's most frugal plan "
-    "measures 3,704,704 B by XLA and the call raises again, suggesting 3.71 MB. "
-    "Source fix (planner.plan): compile the most frugal plan before suggesting a budget, "
-    "and suggest max(model, XLA)"))
 def test_budget_suggested_for_a_far_too_small_budget_fits(plain):
-    """`rp.plan` at 1 MB names the smallest feasible budget; planned there, the plan fits."""
+    """`rp.plan` at 1 MB names the smallest feasible budget; planned there, the plan fits.
+    (Before planner.plan measured the most frugal plan first, it named the model's
+    3.51 MB, which XLA did not fit: 3,704,704 B.)"""
     m, an = plain
     with pytest.raises(rp.InfeasibleBudgetError) as info:
         _plan(m, "1MB", fresh(an))
