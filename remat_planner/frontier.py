@@ -26,7 +26,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
-import hashlib
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,7 +37,7 @@ from . import baselines
 from . import planner as pl
 from .errors import ConfigError, InfeasibleBudgetError
 from .units import DEFAULT_UNITS, Units
-from .verify import abstract, as_batch, make_step, measure
+from .verify import measure
 
 fb = DEFAULT_UNITS.format  # progress messages; the files take the units they are given
 
@@ -343,30 +342,15 @@ def _shot(wl, optimizer, an, budget: int, label: str, noremat_flops: float, cost
                    int(need)), int(need)
 
 
-def _step_program(loss, wl, optimizer) -> str:
-    """A digest of `loss`'s training step as verify.measure lowers it (donated optimizer
-    step, no sharding), without debug information: two losses with the same digest are
-    the same XLA program, compiled with the same options, so XLA's figures for one are
-    the other's."""
-    params, batch = abstract(wl.abstract_params), abstract(as_batch(wl.abstract_batch))
-    step = make_step(loss, optimizer, wl.has_aux)
-    if optimizer is None:
-        traced = jax.jit(step).trace(params, batch)
-    else:
-        opt_state = jax.eval_shape(optimizer.init, params)
-        traced = jax.jit(step, donate_argnums=(0, 1)).trace(params, opt_state, batch)
-    text = traced.lower().as_text(debug_info=False)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _measure_builtin(name: str, wl, optimizer):
-    """(loss, how it groups, XLA's measurement) of the built-in comparison point `name`."""
+def _measure_builtin(name: str, wl, optimizer, programs: dict | None = None):
+    """(loss, how it groups, XLA's measurement) of the built-in comparison point `name`;
+    its step's program is entered in `programs` (verify.measure)."""
     P, B = wl.abstract_params, wl.abstract_batch
     if name == baselines.SQRT_N:
         loss, how = baselines.sqrt_grouping_loss(wl.loss_fn, P, B, wl.has_aux)
     else:
         loss, how = baselines.builtin_loss(name, wl.loss_fn, P, B, wl.has_aux), "per block"
-    return loss, how, measure(loss, P, B, optimizer, wl.has_aux)
+    return loss, how, measure(loss, P, B, optimizer, wl.has_aux, programs=programs)
 
 
 def _measure_alone(an, p, wl, optimizer):
@@ -383,19 +367,18 @@ def _measure_alone(an, p, wl, optimizer):
 
 
 def _measure_per_block(wl, optimizer, an, costs,
-                       programs: dict | Callable[[], dict] | None = None) -> tuple[int, int]:
+                       programs: Callable[[], dict] | None = None) -> tuple[int, int]:
     """Measure the planner's per-block plans (planner.per_block_plans: every copy of a
     repeated block checkpointed whole under nothing_saveable, dots_with_no_batch_dims_saveable
     or dots_saveable, the rest stored, replayed like any plan) once, on `an`, so that every
     planner call of the sweep can reuse them (planner._cheaper_verified): what a single
     plan() call probes late, with the compiles the sweep's calls do not have.
 
-    `programs` maps _step_program digests to XLA's measurements of the built-ins (or is a
-    function returning that map, called once the plans' own digests are taken: the
-    built-ins may still be compiling on another thread): a per-block plan whose step is the
-    same program as a built-in's (it is the built-in policy per block, replayed) takes that
-    measurement and is not compiled again.
-    Returns (compiles made, plans that took a built-in's measurement)."""
+    `programs` returns the map from step digests to XLA's measurements that the built-ins
+    were measured into (verify.measure; it waits for them: they may still be compiling on
+    another thread): a per-block plan whose step is the same program as a built-in's (it is
+    the built-in policy per block, replayed) takes that measurement and is not compiled
+    again. Returns (compiles made, plans that took a built-in's measurement)."""
     P, B = wl.abstract_params, wl.abstract_batch
     made = shared = 0
     todo = []
@@ -403,22 +386,23 @@ def _measure_per_block(wl, optimizer, an, costs,
         act, cost = pl.simulate(costs.objective_chain, segments)
         p = pl._make_plan(an, pl.Solution(segments, cost, act), an.noremat.peak_bytes, P, B,
                           0, costs=costs)
-        if pl._cached_measurement(an, p, optimizer) is not None:
+        if pl._cached_measurement(an, p, optimizer) is None:
+            todo.append(p)
+    known = programs() if todo and programs is not None else None
+    for p in todo:
+        try:
+            key = (p.segments, optimizer)
+            hash(key)
+        except TypeError:  # an optimizer that cannot be a dict key: no reuse
+            made += 1
+            pl._measure_plan(an, p, wl.loss_fn, P, B, optimizer)
             continue
-        todo.append((p, _step_program(p.apply(wl.loss_fn), wl, optimizer)
-                     if programs is not None else None))
-    known = (programs() if callable(programs) else programs) if todo else None
-    for p, digest in todo:
-        same = known.get(digest) if known else None
-        if same is not None:
-            try:
-                an.verified[(p.segments, optimizer)] = same
-                shared += 1
-                continue
-            except TypeError:  # an optimizer that cannot be a dict key: no reuse
-                pass
-        made += 1
-        pl._measure_plan(an, p, wl.loss_fn, P, B, optimizer)
+        before = len(known) if known is not None else 0
+        an.verified[key] = measure(p.apply(wl.loss_fn), P, B, optimizer, an.program.has_aux,
+                                   sharding=an.sharding, programs=known)
+        compiled = known is None or len(known) > before
+        made += compiled
+        shared += not compiled
     return made, shared
 
 
@@ -538,21 +522,17 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
     t0 = time.perf_counter()
     # The built-in policies do not depend on the analysis: they are measured on a worker
     # thread meanwhile (XLA compiles release the GIL, so the two overlap where a second
-    # core is free), the per-block policies first, then their steps' digests where the
-    # model has blocks (_measure_per_block waits for those), then sqrt(n) grouping while
-    # the low end is planned.
+    # core is free), the per-block policies first, each step's program entered in
+    # `programs` (_measure_per_block waits for those), then sqrt(n) grouping while the
+    # low end is planned.
     pool = ThreadPoolExecutor(max_workers=1) if _threads() else _Inline()
     try:
-        pending = {name: pool.submit(_measure_builtin, name, wl, optimizer)
+        programs: dict = {}  # step digest -> XLA's measurement (verify.measure)
+        pending = {name: pool.submit(_measure_builtin, name, wl, optimizer, programs)
                    for name in baselines.POLICIES}
         step("analysing the step (trace, profile, calibrate)")
         an = pl.analyze(wl.loss_fn, P, B, optimizer, progress=say, has_aux=wl.has_aux)
         analysis_seconds = time.perf_counter() - t0
-        digests = {}
-        if pl.per_block_plans(an.chain):
-            digests = {name: pool.submit(lambda f: _step_program(f.result()[0], wl, optimizer),
-                                         pending[name])
-                       for name in baselines.POLICIES}
         for name in baselines.NAMES[1:]:
             if name not in pending:
                 pending[name] = pool.submit(_measure_builtin, name, wl, optimizer)
@@ -560,20 +540,26 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
         nf = nr.flops
         low, high = an.min_feasible_budget(), nr.peak_bytes
         # The sweep's last point, the no-remat peak, is planned for sure and its plan
-        # recomputes nothing: compiled on the worker too, handed over when it is planned.
+        # recomputes nothing. A plan storing every stage of an unsharded step is the loss
+        # as written (apply.apply_plan), so the analysis's no-remat compile is its
+        # measurement; otherwise it is compiled on the worker, handed over when planned.
         top = pl.plan(wl.loss_fn, P, B, high, optimizer, analysis=an, verify=False)
-        top_m = pool.submit(_measure_alone, an, top, wl, optimizer)
+        top_new_compile = not (an.sharding is None
+                               and all(not s.is_checkpoint for s in top.segments))
+        top_m = (pool.submit(_measure_alone, an, top, wl, optimizer) if top_new_compile
+                 else _Inline().submit(lambda: nr))
         noremat = Point("builtin", baselines.NO_REMAT, None, nr.peak_bytes, nr.flops, nf,
                         plan="no checkpoint")
         costs = pl._PlanCosts(an, pl.resolve_cost_model(None))
 
-        def programs() -> dict:
-            """_step_program digest -> XLA's measurement, the built-in policies'."""
-            return {d.result(): pending[name].result()[2] for name, d in digests.items()}
+        def builtin_programs() -> dict:
+            """The map the per-block built-ins were measured into, once they are."""
+            for name in baselines.POLICIES:
+                pending[name].result()
+            return programs
 
         step("measuring the planner's per-block plans")
-        per_block, shared = _measure_per_block(wl, optimizer, an, costs,
-                                               programs if digests else None)
+        per_block, shared = _measure_per_block(wl, optimizer, an, costs, builtin_programs)
         skip = set(pl.per_block_plans(an.chain))  # segments _model_error leaves out
 
         # The low end: the model's smallest feasible budget; when XLA finds the plan over
@@ -614,7 +600,8 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
                     an.verified[(top.segments, optimizer)] = top_m
                 pt = _plan_point(wl, optimizer, an, budget, label(kind, i), nf, say,
                                  max_compiles)
-                pt.compiles = (pt.compiles or 0) + int(top_new and top_m is not None)
+                pt.compiles = (pt.compiles or 0) + int(top_new and top_m is not None
+                                                       and top_new_compile)
                 done[kind, i] = pt
                 continue
             step(what(budget, kind, i))

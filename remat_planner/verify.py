@@ -8,6 +8,7 @@ remat (docs/jax-facts.md, fact 1).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from typing import Callable, Sequence
 
@@ -77,17 +78,8 @@ def jit_kwargs(sharding, params, batch, optimizer=None, has_aux: bool = False) -
                 out_shardings=(sh.params, sh.opt_state, sh.replicated, *aux))
 
 
-def measure(loss_fn: Callable, params, batch, optimizer=None, has_aux: bool = False,
-            sharding=None) -> Measurement:
-    """Compile the training step of `loss_fn` on abstract shapes and read XLA's peak/FLOPs.
-
-    With `optimizer`, the step is value_and_grad + update with params and optimizer state
-    donated; without, it is jax.grad(loss_fn). With `has_aux` loss_fn returns
-    `(loss, aux)` and the step returns aux too (it counts as output). With `sharding`
-    (a sharding.ShardingSpec) the step is jitted with its in/out shardings on the mesh and
-    every figure is one device's (XLA compiles one SPMD program per device), and the
-    collectives of the compiled program are counted.
-    """
+def _lowered_step(loss_fn: Callable, params, batch, optimizer, has_aux: bool, sharding):
+    """(traced, lowered) training step of `loss_fn` as measure compiles it."""
     batch = abstract(as_batch(batch))
     params = abstract(params)
     step = make_step(loss_fn, optimizer, has_aux)
@@ -97,7 +89,39 @@ def measure(loss_fn: Callable, params, batch, optimizer=None, has_aux: bool = Fa
     else:
         opt_state = jax.eval_shape(optimizer.init, params)
         traced = jax.jit(step, donate_argnums=(0, 1), **kw).trace(params, opt_state, batch)
-    lowered = traced.lower()
+    return traced, traced.lower()
+
+
+def _digest(lowered) -> str:
+    return hashlib.sha256(lowered.as_text(debug_info=False).encode()).hexdigest()
+
+
+def step_digest(loss_fn: Callable, params, batch, optimizer=None, has_aux: bool = False,
+                sharding=None) -> str:
+    """A digest of `loss_fn`'s training step as `measure` lowers it, without debug
+    information: two losses with the same digest are the same XLA program."""
+    return _digest(_lowered_step(loss_fn, params, batch, optimizer, has_aux, sharding)[1])
+
+
+def measure(loss_fn: Callable, params, batch, optimizer=None, has_aux: bool = False,
+            sharding=None, programs: dict | None = None) -> Measurement:
+    """Compile the training step of `loss_fn` on abstract shapes and read XLA's peak/FLOPs.
+
+    With `optimizer`, the step is value_and_grad + update with params and optimizer state
+    donated; without, it is jax.grad(loss_fn). With `has_aux` loss_fn returns
+    `(loss, aux)` and the step returns aux too (it counts as output). With `sharding`
+    (a sharding.ShardingSpec) the step is jitted with its in/out shardings on the mesh and
+    every figure is one device's (XLA compiles one SPMD program per device), and the
+    collectives of the compiled program are counted.
+
+    `programs` (step_digest -> Measurement, filled here): a step that lowers to a
+    program already in it is not compiled again (the frontier shares the compiles of the
+    built-in policies with the plans that replay them exactly).
+    """
+    traced, lowered = _lowered_step(loss_fn, params, batch, optimizer, has_aux, sharding)
+    digest = _digest(lowered) if programs is not None else None
+    if digest is not None and digest in programs:
+        return programs[digest]
     t0 = time.perf_counter()
     compiled = lowered.compile(measure_compiler_options())
     seconds = time.perf_counter() - t0
@@ -118,9 +142,12 @@ def measure(loss_fn: Callable, params, batch, optimizer=None, has_aux: bool = Fa
     comm = None
     if sharding is not None:
         comm = communication(compiled.as_text()).to_dict()
-    return Measurement(int(peak), flops, int(ma.argument_size_in_bytes),
-                       int(ma.output_size_in_bytes), int(ma.alias_size_in_bytes),
-                       int(ma.temp_size_in_bytes), seconds, comm)
+    m = Measurement(int(peak), flops, int(ma.argument_size_in_bytes),
+                    int(ma.output_size_in_bytes), int(ma.alias_size_in_bytes),
+                    int(ma.temp_size_in_bytes), seconds, comm)
+    if digest is not None:
+        programs[digest] = m
+    return m
 
 
 def _has_scan(jaxpr, min_length: int = 2) -> bool:
