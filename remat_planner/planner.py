@@ -437,6 +437,11 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
                                 correction=0, costs=costs)
             say("measuring the most frugal plan with XLA, to name the smallest budget")
             measured = _measure_plan(an, frugal, loss_fn, params, batch, optimizer)
+            if measured.peak_bytes <= budget_bytes:
+                # The model overstates it, and XLA fits it (bert-tiny: the model's smallest
+                # feasible budget 14,458,818 B, this plan 14,329,248 B by XLA).
+                return _with_measurement(frugal, measured, verify_rounds=1, compiles=1,
+                                         **_labels(an, budget))
             min_budget = max(min_budget, measured.peak_bytes)
         raise InfeasibleBudgetError(budget_bytes, min_budget)
     if not verify:
