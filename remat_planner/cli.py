@@ -17,6 +17,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
+from .constants import MIN_POINTS
+
 EXIT_CODES = """exit codes:
   0  success
   2  bad input: missing/unreadable config, invalid YAML, unknown model type or field,
@@ -104,7 +106,6 @@ def _explain_parser() -> argparse.ArgumentParser:
 
 
 def _frontier_parser() -> argparse.ArgumentParser:
-    from .frontier import MIN_POINTS
     p = argparse.ArgumentParser(
         prog="remat-plan frontier",
         description="Measure the memory/recompute frontier: analyse the step once, plan it "
@@ -829,8 +830,8 @@ def _frontier(args) -> int:
     from .config import make_optimizer
     from .errors import ConfigError
 
-    if args.points < fr_mod.MIN_POINTS:
-        raise ConfigError(f"--points must be at least {fr_mod.MIN_POINTS}, got {args.points}")
+    if args.points < MIN_POINTS:
+        raise ConfigError(f"--points must be at least {MIN_POINTS}, got {args.points}")
     _check_writable(args.out, directory=True)
     units = DEFAULT_UNITS
     cfg = _load_config(args)

@@ -30,14 +30,10 @@ from typing import Literal
 
 import numpy as np
 
+from .constants import DEFAULT_BYTES_PER_SECOND, DEFAULT_FLOPS_PER_SECOND
+
 COST_MODELS = ("flops", "time")
 
-# measure_machine() on the 2-core development CPU (jax 0.10.2, 2026-12-03; under load
-# from other jobs it gave 2.7e11-4.3e11 FLOP/s and 7.6e9-8.2e9 B/s): balance 37.5 FLOP/B.
-# scripts/benchmark.py fits the balance to whole training steps instead; on that machine
-# the fit is 0 (docs/benchmarks.md), which is why "flops" is the default objective.
-DEFAULT_FLOPS_PER_SECOND = 3.0e11
-DEFAULT_BYTES_PER_SECOND = 8.0e9
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,38 +35,14 @@ import jax
 
 from . import baselines
 from . import planner as pl
+from .constants import (FLAT_GAIN, LOW_END_COMPILES, MAX_COMPILES, MIN_POINTS, REUSE_TOLERANCE,
+                        SWEEP_COMPILES)
 from .errors import ConfigError, InfeasibleBudgetError
 from .units import DEFAULT_UNITS, Units
 from .verify import measure
 
 fb = DEFAULT_UNITS.format  # progress messages; the files take the units they are given
 
-MIN_POINTS = 12
-# Whole-step compiles of a sweep point between the low end and the no-remat end (but for
-# a comparison the planner loses). The sweep's points share one analysis, so a plan XLA
-# measured at one budget is reused at every other (_settle, and _reuse_verified over
-# every point at the end of sweep()); a compile is most of a point's time (gpt2-tiny:
-# ~1.4 s of ~1.9 s on 2 busy CPU cores, gpt2-small: ~3-4 s). The compile goes to the
-# model's plan at the budget less the error XLA measured on the model's last plan
-# (_model_error): planner.plan's first round, the model's plan at the budget itself, was
-# over it on 9 of gpt2-tiny's 12 measured plans (by 0.53-0.79 MB, 3-5%), and then served
-# only a larger budget. A sweep passing another max_compiles plans each point with
-# planner.plan instead.
-SWEEP_COMPILES = 1
-# Where the frontier is flat a compile buys little. Before a sweep point compiles, the
-# model's plan for it is set against the cheapest plan XLA already measured within the
-# budget, both by the model's recompute FLOPs (XLA's count of a plan is ~0.2% of the step
-# above the model's on gpt2-tiny: comparing XLA's with the model's made every gain look
-# that much larger): when the model's recomputes less by under FLAT_GAIN of the step's
-# FLOPs, the point takes the measured plan and compiles nothing. The no-remat end is
-# always planned (nothing is recomputed there).
-FLAT_GAIN = 0.005
-# Whole-step compiles of the low end's retry at XLA's smallest feasible budget (planner.plan's
-# max_compiles: its rounds and probes share them). Its first two found everything the
-# retry found with six: scanned gpt2-small's 24.57% plan at 6.09 GB came from the second
-# round, its 3 probes after it were over the budget; gpt2-tiny's 5 compiles were all over
-# (the plan XLA measured at the budget is the low end). Each more would cost a compile.
-LOW_END_COMPILES = 2
 
 # Whether the sweep compiles on a worker thread beside the main one (the built-ins during
 # the analysis, the no-remat end's plan, one plan of each pair of points: _shots); None:
@@ -414,7 +390,7 @@ def _reuse_verified(wl, optimizer, an, pts: list[Point], noremat_flops: float) -
     whose plan recomputes nothing keeps it (XLA counts some remat plans below the step
     without remat: that is not less work)."""
     costs = pl._PlanCosts(an, pl.resolve_cost_model(None))
-    tol = pl.REUSE_TOLERANCE * noremat_flops
+    tol = REUSE_TOLERANCE * noremat_flops
     for i, pt in enumerate(pts):
         if pt.feasible and pt.predicted_overhead == 0.0:
             continue
@@ -507,7 +483,7 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
     `max_compiles` (1: _shot's plan, two consecutive points' side by side), none where
     the frontier is flat (see FLAT_GAIN); the low end's retry at XLA's smallest budget,
     and a point at a built-in's peak whose plan recomputes more than the built-in, get
-    LOW_END_COMPILES (2) and planner.MAX_COMPILES (6). The built-ins are measured on a
+    LOW_END_COMPILES (2) and constants.MAX_COMPILES (6). The built-ins are measured on a
     worker thread during the analysis, the planner's per-block plans once after it (a
     built-in's measurement where the step is the same program). After the low end, the
     sweep's budgets and the built-ins' peaks are planned in increasing order; at the end
@@ -621,11 +597,11 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
                 if kind_ == 1 and not Comparison(builtins[1 + i_], pt).planner_not_worse:
                     # The comparison is what the frontier is for: where the planner's plan
                     # recomputes more than the built-in at its peak, plan again with
-                    # planner.MAX_COMPILES (6; the first round is free now).
+                    # constants.MAX_COMPILES (6; the first round is free now).
                     say(f"the plan at the {builtins[1 + i_].label} peak recomputes more "
                         "than it: planning again with more compiles")
                     again = _plan_point(wl, optimizer, an, pt.budget_bytes, pt.label, nf,
-                                        say, pl.MAX_COMPILES)
+                                        say, MAX_COMPILES)
                     again.compiles += pt.compiles or 0
                     pt = again
                 done[kind_, i_] = pt

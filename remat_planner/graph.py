@@ -17,6 +17,8 @@ import re
 import networkx as nx
 import numpy as np
 
+from .constants import (MAX_STAGES, MIN_BLOCK_FLOPS_SHARE, MIN_SUB_STAGE_SHARE, STREAM_RATIO,
+                        TRIVIAL_STAGE_SHARE)
 from .trace import Literal, Program
 
 # ---------------------------------------------------------------------------------------
@@ -264,9 +266,6 @@ class BlockGroup:
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-# A block must hold this share of the program's FLOPs: repeats of a few cheap equations
-# (an elementwise run, a loss's reductions) are not blocks.
-MIN_BLOCK_FLOPS_SHARE = 0.01
 
 
 def _eqn_tokens(program: Program) -> np.ndarray:
@@ -371,7 +370,8 @@ def _best_repeat(tok, lo, hi, flops_prefix, floor, crossing, program) -> BlockGr
     return BlockGroup(starts, p)
 
 
-def find_stages(program: Program, graph: nx.DiGraph, *, max_stages: int = 48) -> tuple[Stage, ...]:
+def find_stages(program: Program, graph: nx.DiGraph, *,
+                max_stages: int = MAX_STAGES) -> tuple[Stage, ...]:
     """Cut the equation order where little crosses, from the dataflow alone
     (_stages_and_blocks)."""
     return _stages_and_blocks(program, graph, max_stages)[0]
@@ -410,9 +410,9 @@ def _stages_and_blocks(program: Program, graph: nx.DiGraph, max_stages: int):
     passing, largest_local = _passing_bytes(program, graph, boundaries, counted)
     others = []
     for k in boundaries:
-        if crossing[k] == 0 or crossing[k] <= 1.25 * largest[k]:
+        if crossing[k] == 0 or crossing[k] <= STREAM_RATIO * largest[k]:
             others.append(k)
-        elif k in passing and crossing[k] - passing[k] <= 1.25 * largest_local[k]:
+        elif k in passing and crossing[k] - passing[k] <= STREAM_RATIO * largest_local[k]:
             others.append(k)
     protected = sorted({c for g in groups for c in (*g.starts, g.stop)} - {0, n})
     cuts = _limit_cuts(groups, block_cuts, protected, others, crossing, n, max_stages - 1)
@@ -492,16 +492,13 @@ def _block_cuts(program: Program, graph: nx.DiGraph, groups, counted,
                     diff[first] += b
                     diff[stop + 1] -= b
             local = np.cumsum(diff)[: hi - lo + 1]
-            good = local[1:-1] <= 1.25 * max(local[0], 1)
+            good = local[1:-1] <= STREAM_RATIO * max(local[0], 1)
             ok = good if ok is None else ok & good
             worst = local if worst is None else np.maximum(worst, local)
         out.append(_spread_offsets(ok, worst, flops[g.starts[0]:g.starts[0] + g.length]))
     return out
 
 
-# A cut inside a block must leave this share of the block's FLOPs on each side: a cut
-# between a layer norm's statistics and its scaling is no place to trade anything.
-MIN_SUB_STAGE_SHARE = 0.1
 
 
 def _spread_offsets(ok: np.ndarray, crossing: np.ndarray, flops) -> list[int]:
@@ -556,7 +553,7 @@ def _merge_trivial(cuts: list[int], flops: list[float], n: int,
     `protected` cuts (block boundaries) stay, so every copy of a block is one range."""
     bounds = [0, *cuts, n]
     work = [sum(flops[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
-    floor = 0.005 * max(work, default=0.0)
+    floor = TRIVIAL_STAGE_SHARE * max(work, default=0.0)
     kept = []
     acc = 0.0
     for cut, w in zip(cuts, work[:-1]):
@@ -666,7 +663,7 @@ def _stage_name(program: Program, lo: int, hi: int) -> str:
     return f"{head}[{tails}]" if head else tails
 
 
-def build_cost_graph(program: Program, *, max_stages: int = 48) -> CostGraph:
+def build_cost_graph(program: Program, *, max_stages: int = MAX_STAGES) -> CostGraph:
     """Graph, crossing profile and stages of a traced program."""
     graph = build_graph(program)
     stages, groups = _stages_and_blocks(program, graph, max_stages)

@@ -20,9 +20,9 @@ from typing import Callable
 
 from . import baselines
 from . import planner as pl
+from .constants import MAX_BATCH
 from .errors import InfeasibleBudgetError
 
-MAX_BATCH = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)

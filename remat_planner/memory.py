@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from .constants import PROFILE_CACHE_SIZE
 from .graph import (CostGraph, definitions, jaxpr_bytes, jaxpr_flops, last_uses,
                     varying_values)
 from .plan import DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Segment
@@ -434,7 +435,7 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
     varying = varying_values(program)
     # Profiles of the same program are reused across analyses (e.g. one per sharding
     # scheme, or per budget sweep): the key includes the program's fingerprint.
-    if len(_PROFILES) > 512:
+    if len(_PROFILES) > PROFILE_CACHE_SIZE:
         _PROFILES.clear()
     prefix = f"{program.fingerprint()}|{measure_xla}|"
     cache = _ProfileCache(prefix)

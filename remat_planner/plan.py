@@ -24,7 +24,6 @@ KEEP_RULES = (NOTHING, DOTS_NO_BATCH, DOTS_NARROW, DOTS)  # checkpoint options, 
 
 
 SCAN_PREFIX = "scan:"
-MAX_LAYERS_PER_ITERATION = 8   # mixed per-layer plans in one iteration (see layer_policies)
 _PART = re.compile(r"^(\d+)x([a-z_|()\[\];*0-9]+?)((?:/\d+)*)$")
 
 

@@ -17,6 +17,8 @@ import jax
 from . import scan
 from .apply import builtin_policy_loss, input_signature
 from .budget import parse_budget, units_of
+from .constants import (MAX_PROBES, MAX_VERIFY_COMPILES, PER_BLOCK_MARGIN, PROBE_MARGIN,
+                        REUSE_TOLERANCE, SLACK_STOP)
 from .costmodel import CostModel, resolve as resolve_cost_model
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph, build_cost_graph
@@ -490,7 +492,7 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
             if best is None or solution.recompute_flops < best_cost:  # in the objective's units
                 best, best_target, best_cost = p, target, solution.recompute_flops
             slack = budget_bytes - m.peak_bytes
-            if slack < 0.02 * budget_bytes:
+            if slack < SLACK_STOP * budget_bytes:
                 break
             # The model was conservative by `slack`: spend it, but stay below a target
             # that already failed.
@@ -546,13 +548,6 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
         f"peak {lowest_peak} bytes)")
 
 
-# Whole-step compiles of a fresh `plan()` call: the analysis's calibration compiles
-# (Analysis.calibration_compiles, two) and at most MAX_VERIFY_COMPILES to verify plans,
-# which the closed loop's rounds and the probes share (`metadata["compiles"]` counts
-# those). A compile is most of the time of a plan() call on a large model (gpt2-small:
-# ~10 s each on 2 CPU cores).
-MAX_COMPILES = 6
-MAX_VERIFY_COMPILES = MAX_COMPILES - 2
 
 
 def _labels(an: Analysis, budget) -> dict:
@@ -588,8 +583,6 @@ class _Compiles:
         return cached or _measure_plan(an, p, loss_fn, params, batch, optimizer)
 
 
-PROBE_MARGIN = 0.03   # model error a probe allows for, as a fraction of the budget
-MAX_PROBES = 4
 
 
 def _probe_cheaper(an: Analysis, solver: ChainSolver, best: Plan, budget_bytes: int, tried: list,
@@ -636,12 +629,6 @@ def _probe_cheaper(an: Analysis, solver: ChainSolver, best: Plan, budget_bytes: 
     return best
 
 
-# How far over the budget the model may put a per-block plan and still have it compiled:
-# the model overstates whole-block checkpoints, whose forward it charges the block's
-# whole forward+backward workspace (gpt2-tiny, each block checkpointed with
-# dots_saveable: 21.60 MB modelled, 20.28 MB by XLA, +6.5%; with
-# dots_with_no_batch_dims_saveable: 20.02 vs 18.84 MB, +6.3%).
-PER_BLOCK_MARGIN = 0.1
 # Keep rules a per-block plan applies to every copy of a repeated block: JAX's built-in
 # nothing_saveable, dots_with_no_batch_dims_saveable and dots_saveable.
 PER_BLOCK_RULES = (NOTHING, DOTS_NO_BATCH, DOTS)
@@ -738,7 +725,6 @@ def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: 
     return best
 
 
-REUSE_TOLERANCE = 1e-4  # XLA FLOPs below which two plans count as equally cheap (of the step's)
 
 
 def _cheaper_verified(an: Analysis, best: Plan, budget_bytes: int, optimizer, params, batch,

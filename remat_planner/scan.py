@@ -42,18 +42,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .constants import MAX_LAYERS_PER_ITERATION, MAX_SUB_STAGES, SCAN_MIN_SHARE
 from .graph import (CostGraph, Stage, _stage_name, build_graph, crossing_bytes, definitions,
                     eqn_flops, find_stages, jaxpr_bytes, jaxpr_flops, last_uses, stage_bytes)
 from .memory import (ChainModel, KeepOption, StageProfile, cut_overlap, profile_stages,
                      region_inputs, scale_chain, segment_keep, simulate, stage_io,
                      weighted_chain)
-from .plan import (MAX_LAYERS_PER_ITERATION, NOTHING, STORE, ScanPart, ScanScheme, Segment,
-                   StageInfo, layer_policies, mixed_name)
+from .plan import (NOTHING, STORE, ScanPart, ScanScheme, Segment, StageInfo, layer_policies,
+                   mixed_name)
 from .solve import enumerate_plans
 from .trace import Eqn, Program, _Flattener, nbytes
 
-MIN_SHARE = 0.5         # a layer stack holds at least this share of the step's forward FLOPs
-MAX_SUB_STAGES = 2      # sub-stages of the body (attention | MLP): per-iteration plans over them
 
 
 # ---------------------------------------------------------------------------------------
@@ -83,7 +82,7 @@ def find_layer_scan(program: Program) -> int | None:
                                                                   jnp.floating)
                    for v in carry):
             continue
-        if total > 0 and flops[i] >= MIN_SHARE * total and (best is None or flops[i] > flops[best]):
+        if total > 0 and flops[i] >= SCAN_MIN_SHARE * total and (best is None or flops[i] > flops[best]):
             best = i
     return best
 

@@ -16,6 +16,7 @@ from typing import Iterator
 
 import numpy as np
 
+from .constants import SOLVER_RESOLUTION
 from .memory import (ChainModel, last_child_forward_flops, leaf_bwd_peak, leaf_fwd_peak,
                      region_fwd_peak, simulate)
 from .plan import NOTHING, STORE, Segment
@@ -41,7 +42,8 @@ class ChainSolver:
       resolution: number of memory units; sizes are rounded up to max_bytes/resolution.
     """
 
-    def __init__(self, chain: ChainModel, max_bytes: int, resolution: int = 16000):
+    def __init__(self, chain: ChainModel, max_bytes: int,
+                 resolution: int = SOLVER_RESOLUTION):
         self.chain = chain
         self.n = chain.n
         self.quantum = max(1, math.ceil(max_bytes / resolution))

@@ -22,7 +22,8 @@ from remat_planner import frontier as fr_mod
 from remat_planner import planner as pl
 from remat_planner.cli import main
 from remat_planner.config import build_workload, load_config, make_optimizer
-from remat_planner.frontier import MIN_POINTS, sweep_budgets
+from remat_planner.constants import MAX_COMPILES, MIN_POINTS
+from remat_planner.frontier import sweep_budgets
 from remat_planner.maxbatch import Probe, builtin_probe, largest_fitting
 from remat_planner.verify import measure, step_digest
 
@@ -190,7 +191,7 @@ def test_compiles_per_point_are_bounded(frontier_run):
         elif label.startswith("sweep"):
             assert c <= fr_mod.SWEEP_COMPILES, (label, c)
         else:  # at a built-in's peak: once more with a call's compiles if worse than it
-            assert c <= fr_mod.SWEEP_COMPILES + pl.MAX_COMPILES, (label, c)
+            assert c <= fr_mod.SWEEP_COMPILES + MAX_COMPILES, (label, c)
             if c > fr_mod.SWEEP_COMPILES:
                 comp = next(x for x in report["comparisons"] if label == f"at {x['builtin']} peak")
                 assert comp["planner_peak_bytes"] is not None
@@ -202,14 +203,14 @@ def test_compiles_per_point_are_bounded(frontier_run):
     assert report["per_block_compiles"] + report["per_block_shared"] <= len(pl.PER_BLOCK_RULES)
     analysis = COMPILES["planner"] - sum(spent.values())
     assert 1 <= analysis <= 3, (COMPILES, report["per_block_compiles"])
-    # Far below what one plan() call per point may spend (planner.MAX_COMPILES each; the
+    # Far below what one plan() call per point may spend (constants.MAX_COMPILES each; the
     # sweep made 4.8 a call on gpt2-tiny before issue 20).
     assert sum(spent.values()) + report["per_block_compiles"] \
-        <= 2 * len(spent) + pl.MAX_COMPILES, spent
+        <= 2 * len(spent) + MAX_COMPILES, spent
     assert sum(spent.values()) <= 2 * fr_mod.LOW_END_COMPILES \
         + (n + len(baselines.NAMES) - 1) * fr_mod.SWEEP_COMPILES \
         + sum(c > fr_mod.SWEEP_COMPILES for l, c in spent.items()
-              if l.startswith("at ")) * pl.MAX_COMPILES
+              if l.startswith("at ")) * MAX_COMPILES
     # Issue 20, point 8: the points between the ends aim below their budgets by the
     # model's measured error and compile nothing where the frontier is flat by the model
     # (_aim); the no-remat end's plan stores every stage, so it is the step as written
@@ -338,11 +339,11 @@ def test_plan_max_compiles_caps_one_call(two_layer):
         assert again.measured_peak_bytes <= budget
         if p is not None:
             assert again.measured_flops <= p.measured_flops
-        # The default: up to planner.MAX_COMPILES.
+        # The default: up to constants.MAX_COMPILES.
         n = len(calls)
         most = pl.plan(wl.loss_fn, P, B, (budget + an.noremat.peak_bytes) // 2, opt,
                        analysis=an)
-        assert len(calls) - n == most.metadata["compiles"] <= pl.MAX_COMPILES
+        assert len(calls) - n == most.metadata["compiles"] <= MAX_COMPILES
     with pytest.raises(ValueError, match="max_compiles"):
         pl.plan(wl.loss_fn, P, B, budget, opt, analysis=an, max_compiles=0)
 

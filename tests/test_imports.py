@@ -106,3 +106,56 @@ def test_pipeline_order():
     for front in ("cli", "frontier", "maxbatch", "explain", "export"):
         assert not any(graph.has_edge(f"remat_planner.{m}", f"remat_planner.{front}")
                        for m in order), f"a pipeline stage imports the front end {front}"
+
+
+def _numeric(node) -> bool:
+    """A number, or arithmetic on numbers (`1 << 20`, `6 - 2`, names of constants aside)."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (int, float)) and not isinstance(node.value, bool)
+    if isinstance(node, ast.BinOp):
+        return all(_numeric(n) or isinstance(n, ast.Name) for n in (node.left, node.right)) \
+            and (_numeric(node.left) or _numeric(node.right))
+    if isinstance(node, ast.UnaryOp):
+        return _numeric(node.operand)
+    return False
+
+
+# Numbers at module level that are not tuning: the plan file format's version.
+NOT_TUNING = {("remat_planner.plan", "PLAN_FORMAT_VERSION")}
+
+
+def test_margins_and_limits_live_in_constants_py():
+    """Every margin, tolerance, limit and machine constant is a module-level name in
+    constants.py, each with a comment above it saying where its value comes from; no
+    other module of the pipeline defines one (the sample models aside)."""
+    stray, bare = [], []
+    for f in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(f)
+        if module.startswith("remat_planner.models"):
+            continue
+        lines = f.read_text().splitlines()
+        for node in ast.parse(f.read_text()).body:
+            if not (isinstance(node, ast.Assign) and len(node.targets) == 1
+                    and isinstance(node.targets[0], ast.Name) and _numeric(node.value)):
+                continue
+            name = node.targets[0].id
+            if module == "remat_planner.constants":
+                if not lines[node.lineno - 2].lstrip().startswith("#") and \
+                        not lines[node.lineno - 2].rstrip().endswith(")") and \
+                        not _follows_commented(lines, node.lineno):
+                    bare.append(name)
+            elif (module, name) not in NOT_TUNING:
+                stray.append(f"{module}.{name}")
+    assert not stray, f"constants outside constants.py: {stray}"
+    assert not bare, f"constants without a comment giving their source: {bare}"
+
+
+def _follows_commented(lines: list[str], lineno: int) -> bool:
+    """Whether the assignment on `lineno` (1-based) belongs to a run of assignments that a
+    comment opens (`MAX_COMPILES = 6` then `MAX_VERIFY_COMPILES = MAX_COMPILES - 2`)."""
+    i = lineno - 2
+    while i >= 0 and lines[i].strip() and not lines[i].lstrip().startswith("#"):
+        if "=" not in lines[i]:
+            return False
+        i -= 1
+    return i >= 0 and lines[i].lstrip().startswith("#")

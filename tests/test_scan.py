@@ -17,9 +17,9 @@ from remat_planner.apply import builtin_policy_loss
 from remat_planner.errors import PlanMismatchError
 from remat_planner.memory import simulate
 from remat_planner.models.gpt2_workload import GPT2Settings, build_gpt2
-from remat_planner.plan import (MAX_LAYERS_PER_ITERATION, NOTHING, STORE, Plan, ScanPart,
-                                ScanScheme, Segment, is_scan_option, layer_policies, mixed_name,
-                                validate_segments)
+from remat_planner.constants import MAX_LAYERS_PER_ITERATION
+from remat_planner.plan import (NOTHING, STORE, Plan, ScanPart, ScanScheme, Segment, is_scan_option,
+                                layer_policies, mixed_name, validate_segments)
 from remat_planner.solve import ChainSolver
 from remat_planner.trace import trace
 from remat_planner.verify import measure
