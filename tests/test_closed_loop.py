@@ -10,8 +10,9 @@ import pytest
 
 import corpus
 import remat_planner as rp
+from remat_planner.constants import MAX_COMPILES, MAX_VERIFY_COMPILES
 from remat_planner.memory import simulate
-from remat_planner.planner import MAX_COMPILES, MAX_VERIFY_COMPILES, per_block_plans
+from remat_planner.planner import per_block_plans
 
 POLICIES = (jax.checkpoint_policies.nothing_saveable,
             jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
