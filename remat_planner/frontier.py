@@ -385,7 +385,7 @@ def _measure_per_block(wl, optimizer, an, costs,
 def _reuse_verified(wl, optimizer, an, pts: list[Point], noremat_flops: float) -> None:
     """Give each planner point the plan with the fewest XLA FLOPs among all those XLA
     measured in this run within its budget, when that recomputes less than its own (by
-    more than planner.REUSE_TOLERANCE of the step): a plan met at a larger budget may fit
+    more than constants.REUSE_TOLERANCE of the step): a plan met at a larger budget may fit
     a smaller one. No compile; a point's figures stay XLA's for the plan it names. A point
     whose plan recomputes nothing keeps it (XLA counts some remat plans below the step
     without remat: that is not less work)."""

@@ -48,7 +48,7 @@ def test_planned_loss_and_gradients_equal_unplanned(model):
 
 # How far XLA's FLOPs may rise from one budget's plan to the next larger budget's, as a
 # fraction of XLA's FLOPs for the step without remat. A literal of this test, not the
-# planner's planner.REUSE_TOLERANCE (below which its reuse rule calls two plans equally
+# planner's constants.REUSE_TOLERANCE (below which its reuse rule calls two plans equally
 # cheap): with that constant imported, the check would pass whatever value the planner
 # gave it, so loosening the planner's rule would never show here. Its value is the
 # fusion noise the README allows (XLA counts plans recomputing the same work a little
