@@ -20,6 +20,7 @@ from .budget import parse_budget, units_of
 from .constants import (MAX_PROBES, MAX_VERIFY_COMPILES, PER_BLOCK_MARGIN, PROBE_MARGIN,
                         REUSE_TOLERANCE, SLACK_STOP)
 from .costmodel import CostModel, resolve as resolve_cost_model
+from .describe import _sub_stages
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph, build_cost_graph
 from .graph import jaxpr_bytes, jaxpr_flops
@@ -34,7 +35,6 @@ from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, SCAN_PREFIX, STORE
 from .solve import ChainSolver, Solution
 from .trace import Program, trace
 from .verify import Measurement, abstract, as_batch, make_step, measure
-from .describe import _sub_stages
 
 Progress = Callable[[str], None]
 
