@@ -12,12 +12,12 @@ import jax
 import numpy as np
 
 from .describe import stage_label
-from .memory import _run, differentiated, make_segment_fn, stage_io, timeline, varying_values, vjp_wrt
+from .memory import (_run, differentiated, make_segment_fn, residuals, stage_io, timeline,
+                     varying_values)
 from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Plan, Segment,
                    is_scan_option)
 from .planner import Analysis
 from .scan import describe as describe_scan
-from .trace import nbytes
 from .units import DEFAULT_UNITS
 
 
@@ -30,7 +30,8 @@ class KeptTensor:
     primitive: str     # primitive that produced it
     shape: tuple[int, ...]
     dtype: str
-    nbytes: int
+    nbytes: int        # a residual's as XLA keeps it (memory.kept_bytes)
+    value: int | None = None  # the program value id, when it is one (a stage's input or output)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +77,8 @@ def _tensor(program, defining, vid: int, what: str) -> KeptTensor:
     aval = program.avals[vid]
     eqn = defining.get(vid)
     return KeptTensor(what, eqn.module_path if eqn else "", eqn.name if eqn else "argument",
-                      tuple(int(d) for d in aval.shape), str(aval.dtype), program.nbytes(vid))
+                      tuple(int(d) for d in aval.shape), str(aval.dtype), program.nbytes(vid),
+                      vid)
 
 
 def _inputs(program, plan: Plan, seg: Segment, defining) -> list[KeptTensor]:
@@ -87,40 +89,49 @@ def _inputs(program, plan: Plan, seg: Segment, defining) -> list[KeptTensor]:
 
 
 def _store_residuals(program, plan: Plan, seg: Segment, defining) -> list[KeptTensor]:
-    """The residuals JAX's autodiff keeps for a stage run without checkpoint."""
+    """The residuals JAX's autodiff keeps for a stage run without checkpoint (the memory
+    model's own list, memory.residuals). One that is an input or an output of the stage
+    carries its program value id (KeptTensor.value), so explain lists the array once
+    when a neighbouring segment keeps it too."""
     lo, hi = plan.stages[seg.start].start, plan.stages[seg.stop - 1].stop
     ins, outs = stage_io(program, lo, hi)
     outs = [v for v in outs if jax.dtypes.issubdtype(program.avals[v].dtype, np.inexact)]
     f = make_segment_fn(program, lo, hi, ins, outs)
     avals = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype) for v in ins]
     wrt = differentiated(ins, varying_values(program))
-    closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(vjp_wrt(f, a, wrt)[1]))(*avals)
-    producers = {id(o): e for e in closed.jaxpr.eqns for o in e.outvars}
-    free, invars = program.free, list(closed.jaxpr.invars)
-    kept, seen = [], set()
-    module = plan.stages[seg.start].name
-    for v in closed.jaxpr.outvars:
-        if not hasattr(v, "aval") or id(v) in seen or type(v).__name__ == "Literal":
+    free, module = program.free, plan.stages[seg.start].name
+    kept = []
+    for r in residuals(f, avals, wrt):
+        if r.input is not None:
+            if ins[r.input] not in free:  # params, batch and constants are live anyway
+                kept.append(_tensor(program, defining, ins[r.input], "input"))
             continue
-        seen.add(id(v))
-        if v in invars:
-            vid = ins[invars.index(v)]
-            if vid not in free:
-                kept.append(_tensor(program, defining, vid, "input"))
-            continue
-        eqn = producers.get(id(v))
-        kept.append(KeptTensor("residual", module, eqn.primitive.name if eqn else "unknown",
-                               tuple(int(d) for d in v.aval.shape), str(v.aval.dtype),
-                               nbytes(v.aval)))
+        kept.append(KeptTensor("residual", module, r.primitive or "unknown",
+                               tuple(int(d) for d in r.aval.shape), str(r.aval.dtype),
+                               r.nbytes, outs[r.output] if r.output is not None else None))
     return kept
 
 
-def _explain_segment(an: Analysis, plan: Plan, seg: Segment, defining) -> SegmentExplanation:
+def _once(kept: list[KeptTensor], listed: set[int]) -> list[KeptTensor]:
+    """`kept` less the program values an earlier segment already lists (one array, kept
+    once: a stored stage's output kept as its residual is the next segment's input)."""
+    out = []
+    for t in kept:
+        if t.value is not None:
+            if t.value in listed:
+                continue
+            listed.add(t.value)
+        out.append(t)
+    return out
+
+
+def _explain_segment(an: Analysis, plan: Plan, seg: Segment, defining,
+                     listed: set[int]) -> SegmentExplanation:
     program, chain = an.program, an.chain_for(plan.segments, chain=an.chain)
     modules = tuple(plan.stages[i].name for i in range(seg.start, seg.stop))
     if seg.children:
-        kept = _inputs(program, plan, seg, defining)
-        children = tuple(_explain_segment(an, plan, c, defining) for c in seg.children)
+        kept = _once(_inputs(program, plan, seg, defining), listed)
+        children = tuple(_explain_segment(an, plan, c, defining, listed) for c in seg.children)
         _, cost = _run(chain, seg.children, 0, inside_region=True)
         modelled = chain.region_input_bytes(seg.start, seg.stop)
     else:
@@ -137,14 +148,18 @@ def _explain_segment(an: Analysis, plan: Plan, seg: Segment, defining) -> Segmen
         else:
             kept = _inputs(program, plan, seg, defining) + [
                 _tensor(program, defining, v, "named value") for v in seg.saved]
+        kept = _once(kept, listed)
     return SegmentExplanation(seg.start, seg.stop, modules, seg.option, tuple(kept),
                               sum(t.nbytes for t in kept), int(modelled), float(cost), children)
 
 
 def explain(an: Analysis, plan: Plan) -> Explanation:
-    """Per-segment account of `plan` on the analysed step."""
-    defining = _defining(an.program)
-    segs = tuple(_explain_segment(an, plan, s, defining) for s in plan.segments)
+    """Per-segment account of `plan` on the analysed step. Each array is listed once, under
+    the first segment (in forward order, a region before its children) that keeps it: a
+    stored stage's output that JAX keeps as its residual is also the next segment's
+    input, one array, listed as the residual."""
+    defining, listed = _defining(an.program), set()
+    segs = tuple(_explain_segment(an, plan, s, defining, listed) for s in plan.segments)
 
     def total(ss: Sequence[SegmentExplanation]) -> int:
         return sum(s.saved_bytes + total(s.children) for s in ss)

@@ -584,18 +584,9 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned
     act_inputs = {i for i, v in enumerate(ins) if v not in free}
 
     def residual_bytes(f):
-        closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(vjp_wrt(f, a, wrt)[1]))(*in_avals)
-        invars = closed.jaxpr.invars
-        seen, total = set(), 0
-        widen = narrow_dots_kept_wide()
-        for v in closed.jaxpr.outvars:
-            if isinstance(v, jax.extend.core.Literal) or id(v) in seen:
-                continue
-            seen.add(id(v))
-            if v in invars and invars.index(v) not in act_inputs:
-                continue  # params, batch and constants are live anyway
-            total += kept_bytes(closed.jaxpr, v) if widen else nbytes(v.aval)
-        return total
+        # params, batch and constants are live anyway
+        return sum(r.nbytes for r in residuals(f, in_avals, wrt)
+                   if r.input is None or r.input in act_inputs)
 
     def step_cost(f):
         """FLOPs and memory traffic of the stage's forward + backward."""
@@ -627,6 +618,51 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned
     if measure_xla and fn_outs:
         wf, wb = _xla_workspace(base, in_avals, ct_avals, wrt, forward_alone)
     return tuple(options), wf, wb, (start, stop)
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """One array JAX's autodiff keeps from a stage's forward for its backward."""
+
+    aval: object            # its jax aval (JAX's own shape and dtype)
+    primitive: str          # the primitive that produced it; "" for one of the inputs
+    input: int | None       # its position in the stage's inputs, when it is one
+    output: int | None      # its position in the stage's outputs, when it is one
+    nbytes: int             # bytes XLA keeps for it (kept_bytes)
+
+
+def residuals(f, in_avals, wrt) -> list[Residual]:
+    """The arrays `jax.vjp` of `f` (a function of `in_avals` returning a list, the
+    positions `wrt` differentiated) keeps for the backward, each once: what the memory
+    model sizes a stage by, and what explain lists. An input or an output of `f` kept as
+    a residual says so (`input`, `output`), so a caller can tell it is the same array as
+    a neighbouring stage's. Sizes are kept_bytes: a sub-float32 dot's result counts at
+    float32 where XLA keeps it wide (narrow_dots_kept_wide)."""
+    n_out = []
+
+    def forward(*a):
+        out, back = vjp_wrt(f, a, wrt)
+        n_out.append(len(jax.tree.leaves(out)))
+        return jax.tree.leaves(out) + jax.tree.leaves(back)
+
+    jaxpr = jax.make_jaxpr(forward)(*in_avals).jaxpr
+    outs, kept = jaxpr.outvars[:n_out[0]], jaxpr.outvars[n_out[0]:]
+    producers = {id(o): e for e in jaxpr.eqns for o in e.outvars}
+    widen = narrow_dots_kept_wide()
+
+    def position(vars_, v):
+        return next((i for i, o in enumerate(vars_) if o is v), None)
+
+    found, seen = [], set()
+    for v in kept:
+        if isinstance(v, jax.extend.core.Literal) or id(v) in seen:
+            continue
+        seen.add(id(v))
+        eqn = producers.get(id(v))
+        found.append(Residual(v.aval, eqn.primitive.name if eqn else "",
+                              position(jaxpr.invars, v), position(outs, v),
+                              kept_bytes(jaxpr, v) if widen else nbytes(v.aval)))
+    return found
 
 
 def narrow_dots_kept_wide() -> bool:
