@@ -84,15 +84,6 @@ PER_BLOCK_MARGIN = 0.1
 REUSE_TOLERANCE = 1e-4
 
 # ---------------------------------------------------------------------------------------
-# memory.py
-# ---------------------------------------------------------------------------------------
-
-# Stage profiles kept between analyses of the same program (one per sharding scheme, a
-# frontier's sweep); the cache is cleared past this many. Chosen: far above any sample
-# config's stage count times its sharding schemes.
-PROFILE_CACHE_SIZE = 512
-
-# ---------------------------------------------------------------------------------------
 # costmodel.py: the machine
 # ---------------------------------------------------------------------------------------
 

@@ -19,7 +19,6 @@ import jax
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from .constants import PROFILE_CACHE_SIZE
 from .graph import (CostGraph, definitions, jaxpr_bytes, jaxpr_flops, last_uses,
                     varying_values)
 from .plan import DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Segment
@@ -422,24 +421,29 @@ def _structure_key(program: Program, start: int, stop: int, ins, outs) -> str:
 def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = True,
                    progress: Callable[[str], None] | None = None,
                    pinned: frozenset[int] = frozenset(),
-                   forward_alone: bool = False) -> ChainModel:
+                   forward_alone: bool = False,
+                   profiles: dict | None = None) -> ChainModel:
     """Measure every stage's keep options, residual bytes and XLA workspace.
 
     `pinned` values (outputs of collectives in a sharded step, sharding.collective_outputs)
     are kept by every checkpoint option: recomputing them would repeat communication.
     With `forward_alone` the stages are whole blocks (a scan body as one stage,
     scan.whole_body_chain): their forward workspace is their forward compiled alone, as
-    for the spans below."""
+    for the spans below.
+
+    Identical stages (transformer blocks) are profiled once per call. `profiles`: a dict
+    the caller keeps to reuse profiles across calls on the same program (one analysis
+    per sharding scheme of one step: scripts/shard_report.py); its keys name the program
+    (its fingerprint), so one dict may serve several programs. Without it nothing is
+    kept between calls."""
     last, defs = last_uses(program), definitions(program)
     free = program.free
     varying = varying_values(program)
-    # Profiles of the same program are reused across analyses (e.g. one per sharding
-    # scheme, or per budget sweep): the key includes the program's fingerprint.
-    if len(_PROFILES) > PROFILE_CACHE_SIZE:
-        _PROFILES.clear()
-    prefix = f"{program.fingerprint()}|{measure_xla}|"
-    cache = _ProfileCache(prefix)
-    profiles = []
+    if profiles is None:
+        cache = _Profiles({}, "")
+    else:
+        cache = _Profiles(profiles, f"{program.fingerprint()}|{measure_xla}|")
+    stages = []
     for k, st in enumerate(cost.stages):
         ins, outs = stage_io(program, st.start, st.stop, last, defs)
         wrt = differentiated(ins, varying)
@@ -457,7 +461,7 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
         mapping = _value_mapping(program, local_names, st.start, st.stop)
         options = tuple(dataclasses.replace(o, saved=tuple(mapping[v] for v in o.saved))
                         for o in opts_local)
-        profiles.append(StageProfile(st.name, st.flops, options, wf, wb, st.bytes_accessed))
+        stages.append(StageProfile(st.name, st.flops, options, wf, wb, st.bytes_accessed))
     spans = []
     for a, c in cost.spans:  # one checkpoint over a whole block copy, under each keep rule
         lo, hi = cost.stages[a].start, cost.stages[c - 1].stop
@@ -479,7 +483,7 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
         name = f"{cost.stages[a].name} .. {cost.stages[c - 1].name}"
         spans.append((a, c, StageProfile(name, flops, options, wf, wb, traffic)))
     boundary = [0] + [cost.boundary_bytes(k) for k in range(1, len(cost.stages))] + [0]
-    return ChainModel(tuple(profiles), tuple(int(b) for b in boundary),
+    return ChainModel(tuple(stages), tuple(int(b) for b in boundary),
                       cut_overlap(program, cost, last, defs),
                       region_inputs(program, cost, boundary, last, defs), tuple(spans))
 
@@ -539,23 +543,22 @@ def cut_overlap(program: Program, cost: CostGraph, last=None, defs=None):
     return tuple(tuple(int(x) for x in row) for row in table)
 
 
-_PROFILES: dict[str, tuple] = {}
+@dataclasses.dataclass(frozen=True)
+class _Profiles:
+    """profile_stages' view of a profiles dict under one program's prefix (its
+    fingerprint and whether XLA's workspace was measured)."""
 
-
-class _ProfileCache:
-    """A view of _PROFILES under one program's prefix."""
-
-    def __init__(self, prefix: str):
-        self.prefix = prefix
+    store: dict
+    prefix: str
 
     def __contains__(self, key: str) -> bool:
-        return self.prefix + key in _PROFILES
+        return self.prefix + key in self.store
 
     def __getitem__(self, key: str):
-        return _PROFILES[self.prefix + key]
+        return self.store[self.prefix + key]
 
     def __setitem__(self, key: str, value) -> None:
-        _PROFILES[self.prefix + key] = value
+        self.store[self.prefix + key] = value
 
 
 def _local_pins(program: Program, start: int, stop: int, pinned) -> tuple:

@@ -228,12 +228,13 @@ def _sub_stage_cuts(body: _BodyProgram, graph) -> list[int]:
     return [min(cuts, key=lambda k: abs(flops[k - 1] - flops[-1] / 2))]
 
 
-def body_chain(body: Body, *, measure_xla: bool = True) -> ChainModel:
+def body_chain(body: Body, *, measure_xla: bool = True, profiles: dict | None = None
+               ) -> ChainModel:
     """The body's sub-stages profiled like any stages (memory.profile_stages: keep options,
-    residual bytes, recompute, XLA workspace), with the carry crossing into the first
-    and the body's outputs out of the last."""
+    residual bytes, recompute, XLA workspace; `profiles` as there), with the carry
+    crossing into the first and the body's outputs out of the last."""
     program = body.program
-    chain = profile_stages(program, body.cost, measure_xla=measure_xla)
+    chain = profile_stages(program, body.cost, measure_xla=measure_xla, profiles=profiles)
     carry = program.invars[body.num_consts:body.num_consts + body.num_carry]
     consts_xs = program.free
     boundary = list(chain.boundary)
@@ -248,11 +249,13 @@ def body_chain(body: Body, *, measure_xla: bool = True) -> ChainModel:
     return ChainModel(chain.stages, tuple(int(b) for b in boundary))
 
 
-def whole_body_chain(body: Body, *, measure_xla: bool = True) -> ChainModel | None:
+def whole_body_chain(body: Body, *, measure_xla: bool = True,
+                     profiles: dict | None = None) -> ChainModel | None:
     """The body as one stage, profiled like any stage: its options are one checkpoint
     over the whole block under a keep rule, exactly what `nn.remat(block, policy=...)`
     inside `nn.scan` does with JAX's dots / dots-without-batch-dims policies. None when
-    the body has a single sub-stage (its options are the sub-stage's already)."""
+    the body has a single sub-stage (its options are the sub-stage's already).
+    `profiles` as memory.profile_stages'."""
     if body.cost.stages.__len__() < 2:
         return None
     program = body.program
@@ -260,7 +263,8 @@ def whole_body_chain(body: Body, *, measure_xla: bool = True) -> ChainModel | No
     one = dataclasses.replace(body.cost, stages=(Stage(0, n, body.cost.stages[0].name,
                                                        body.cost.total_flops,
                                                        stage_bytes(body.cost.graph, 0, n)),))
-    chain = profile_stages(program, one, measure_xla=measure_xla, forward_alone=True)
+    chain = profile_stages(program, one, measure_xla=measure_xla, forward_alone=True,
+                           profiles=profiles)
     carry = program.invars[body.num_consts:body.num_consts + body.num_carry]
     out = sum(program.nbytes(v) for v in program.outvars if isinstance(v, int))
     return ChainModel(chain.stages, (sum(program.nbytes(v) for v in carry), int(out)))
@@ -406,14 +410,16 @@ def _is_float(aval) -> bool:
     return jax.dtypes.issubdtype(aval.dtype, jnp.inexact)  # numpy's does not know bfloat16
 
 
-def profile_layer_stack(program: Program, index: int, *, measure_xla: bool = True) -> LayerStack:
-    """Profile the scan at equation `index` once, whatever its length."""
+def profile_layer_stack(program: Program, index: int, *, measure_xla: bool = True,
+                        profiles: dict | None = None) -> LayerStack:
+    """Profile the scan at equation `index` once, whatever its length (`profiles` as
+    memory.profile_stages')."""
     eqn = program.eqns[index]
     body = layer_body(eqn)
     _, carry, xs = body.split([program.avals[v] if isinstance(v, int) else np.asarray(v.val)
                                for v in eqn.invars])
-    chain = body_chain(body, measure_xla=measure_xla)
-    whole = whole_body_chain(body, measure_xla=measure_xla)
+    chain = body_chain(body, measure_xla=measure_xla, profiles=profiles)
+    whole = whole_body_chain(body, measure_xla=measure_xla, profiles=profiles)
     return LayerStack(eqn.params["length"], sum(nbytes(a) for a in carry),
                       sum(nbytes(a) // a.shape[0] for a in xs if _is_float(a)),
                       jaxpr_flops(eqn.params["jaxpr"]), chain, iteration_plans(chain, whole),
@@ -769,11 +775,13 @@ def scaled(sc: ScanChain, f: float) -> ScanChain:
 
 
 def profile_chain(program: Program, cost: CostGraph, *, measure_xla: bool = True,
-                  progress: Callable[[str], None] | None = None) -> ScanChain | None:
+                  progress: Callable[[str], None] | None = None,
+                  profiles: dict | None = None) -> ScanChain | None:
     """The chain model of a program whose layers are a scan, or None if it has none.
 
     The other stages are profiled by memory.profile_stages as usual; the scan stage's
-    options are the scan schemes (scan_stage_profile).
+    options are the scan schemes (scan_stage_profile). `profiles`: a dict kept by the
+    caller to reuse profiles across calls (memory.profile_stages), body's included.
     """
     index = find_layer_scan(program)
     if index is None:
@@ -782,9 +790,10 @@ def profile_chain(program: Program, cost: CostGraph, *, measure_xla: bool = True
     if progress:
         progress(f"profiling the layer stack {cost.stages[k].name} "
                  f"({program.eqns[index].params['length']} iterations, one body)")
-    stack = profile_layer_stack(program, index, measure_xla=measure_xla)
+    stack = profile_layer_stack(program, index, measure_xla=measure_xla, profiles=profiles)
     others = dataclasses.replace(cost, stages=cost.stages[:k] + cost.stages[k + 1:])
-    rest = profile_stages(program, others, measure_xla=measure_xla, progress=progress)
+    rest = profile_stages(program, others, measure_xla=measure_xla, progress=progress,
+                          profiles=profiles)
     boundary = tuple([0] + [int(cost.boundary_bytes(j)) for j in range(1, len(cost.stages))] + [0])
     ins, _ = stage_io(program, index, index + 1)
     input_bytes = sum(program.nbytes(v) for v in ins if v not in program.free)
