@@ -376,10 +376,10 @@ def _with_units(plan, units, an=None):
     sub-stages, so that print(plan) names them without the analysis."""
     import dataclasses
 
-    from .describe import _sub_stages
+    from .describe import sub_stage_labels
     extra = {"units": units.value}
-    if an is not None and _sub_stages(an):
-        extra["scan_sub_stages"] = _sub_stages(an)
+    if an is not None and sub_stage_labels(an):
+        extra["scan_sub_stages"] = sub_stage_labels(an)
     return dataclasses.replace(plan, metadata={**plan.metadata, **extra})
 
 
@@ -675,10 +675,10 @@ def _print_explanation(ex, an, plan, units) -> None:
     from rich.tree import Tree
 
     from .units import format_flops
-    from .describe import _sub_stages, keep_words, segment_name, stage_label
+    from .describe import keep_words, segment_name, stage_label, sub_stage_labels
     fb = units.format
     console = _console()
-    subs = _sub_stages(an)
+    subs = sub_stage_labels(an)
     tree = Tree(Text(f"plan (sizes in {units.example})"))
 
     def name_of(s) -> str:

@@ -219,11 +219,18 @@ class Row:
     recompute_flops: float | None  # recomputed in its backward, nested segments included
 
 
-def _sub_stages(analysis) -> list[str]:
+def sub_stage_labels(analysis) -> list[str]:
+    """The roles of a scanned layer's sub-stages (sub_stage_label: `attention`, `MLP`,
+    `part 3`), in order; [] without an analysis or for a model without a layer scan.
+    What a plan records in its metadata (`scan_sub_stages`) to be read without the
+    analysis."""
     sc = getattr(analysis, "scan_chain", None) if analysis is not None else None
     if sc is None:
         return []
     return [sub_stage_label(s.name, i) for i, s in enumerate(sc.stack.chain.stages)]
+
+
+_sub_stages = sub_stage_labels  # the name planner.py still imports; drop once it does not
 
 
 def segment_rows(plan: Plan, analysis=None) -> list[Row]:
@@ -233,7 +240,7 @@ def segment_rows(plan: Plan, analysis=None) -> list[Row]:
     chain = None
     if analysis is not None:
         chain = analysis.chain_for(plan.segments, chain=analysis.chain)
-    subs = _sub_stages(analysis) or list(plan.metadata.get("scan_sub_stages", ()))
+    subs = sub_stage_labels(analysis) or list(plan.metadata.get("scan_sub_stages", ()))
 
     rows: list[Row] = []
 

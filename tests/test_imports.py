@@ -108,6 +108,17 @@ def test_pipeline_order():
                        for m in order), f"a pipeline stage imports the front end {front}"
 
 
+def test_describe_sits_below_the_planner():
+    """describe.py, the plan in words, is read by the planner (the labels a plan records)
+    as well as by the front ends: it reaches neither the planner nor a front end, so the
+    planner may import it."""
+    graph, _ = import_graph()
+    below = nx.descendants(graph, "remat_planner.describe")
+    above = {f"remat_planner.{m}" for m in ("planner", "cli", "frontier", "maxbatch",
+                                             "explain", "export", "baselines")}
+    assert not below & above, f"describe reaches {sorted(below & above)}"
+
+
 def _numeric(node) -> bool:
     """A number, or arithmetic on numbers (`1 << 20`, `6 - 2`, names of constants aside)."""
     if isinstance(node, ast.Constant):
