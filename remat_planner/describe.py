@@ -230,7 +230,6 @@ def sub_stage_labels(analysis) -> list[str]:
     return [sub_stage_label(s.name, i) for i, s in enumerate(sc.stack.chain.stages)]
 
 
-_sub_stages = sub_stage_labels  # the name planner.py still imports; drop once it does not
 
 
 def segment_rows(plan: Plan, analysis=None) -> list[Row]:

@@ -358,7 +358,7 @@ def _measure_per_block(wl, optimizer, an, costs,
     P, B = wl.abstract_params, wl.abstract_batch
     made = shared = 0
     todo = []
-    for segments in pl.per_block_plans(an.chain):
+    for segments in pl.per_block_plans(an):
         act, cost = pl.simulate(costs.objective_chain, segments)
         p = pl._make_plan(an, pl.Solution(segments, cost, act), an.noremat.peak_bytes, P, B,
                           0, costs=costs)
@@ -536,7 +536,7 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
 
         step("measuring the planner's per-block plans")
         per_block, shared = _measure_per_block(wl, optimizer, an, costs, builtin_programs)
-        skip = set(pl.per_block_plans(an.chain))  # segments _model_error leaves out
+        skip = set(pl.per_block_plans(an))  # segments _model_error leaves out
 
         # The low end: the model's smallest feasible budget; when XLA finds the plan over
         # it, the error names a verified-or-lowest-measured peak to try instead (twice at

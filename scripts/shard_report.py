@@ -55,10 +55,11 @@ def main() -> None:
           "/ device | FLOP overhead | all-gather (no remat -> plan) | all-reduce (no remat "
           "-> plan) | time |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    profiles = {}  # stage profiles shared by the schemes' analyses of the same program
     for scheme, mesh in SCHEMES.items():
         t0 = time.perf_counter()
         an = rp.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, opt, mesh=mesh,
-                        sharding=scheme)
+                        sharding=scheme, profiles=profiles)
         nr = an.noremat
         budget = int(an.fixed.total + args.fraction * (nr.peak_bytes - an.fixed.total))
         assert units_of(budget) is units

@@ -47,7 +47,7 @@ def plan_segments(an: rp.Analysis, kind: str) -> tuple[Segment, ...]:
         return tuple(Segment(i, i + 1, STORE) for i in range(n))
     if kind == "checkpoint":
         return tuple(Segment(i, i + 1, NOTHING if i < n - 1 else STORE) for i in range(n))
-    plans = per_block_plans(an.chain)
+    plans = per_block_plans(an)
     if not plans:
         raise SystemExit("no repeated block found: only 'store' and 'checkpoint' apply")
     return plans[RULES.index(kind)]

@@ -44,7 +44,7 @@ def test_whole_block_checkpoints_predicted_within_3pct(plain_jax):
     within 3% of XLA's peak: the block's workspaces are XLA's for the whole block, not
     scaled by the fit on single stages (planner._scaled)."""
     m, an = plain_jax
-    plans = per_block_plans(an.chain)
+    plans = per_block_plans(an)
     assert len(plans) == 3
     for segments in plans:
         predicted = an.predicted_peak(simulate(an.chain, segments)[0])

@@ -239,7 +239,7 @@ def test_per_block_plans_share_the_builtins_programs(frontier_run, two_layer):
     assert step_digest(wl.loss_fn, P, B, opt) not in digests.values()
     costs = pl._PlanCosts(an, pl.resolve_cost_model(None))
     plans = []
-    for segments in pl.per_block_plans(an.chain):
+    for segments in pl.per_block_plans(an):
         act, cost = pl.simulate(costs.objective_chain, segments)
         p = pl._make_plan(an, pl.Solution(segments, cost, act), 10**9, P, B, 0, costs=costs)
         plans.append(step_digest(p.apply(wl.loss_fn), P, B, opt))
@@ -259,7 +259,7 @@ def test_sweep_shots_aim_below_the_budget_by_the_last_error(two_layer):
     P, B = wl.abstract_params, wl.abstract_batch
     an = pl.analyze(wl.loss_fn, P, B, opt, calibrate=False)
     costs = pl._PlanCosts(an, pl.resolve_cost_model(None))
-    skip = set(pl.per_block_plans(an.chain))
+    skip = set(pl.per_block_plans(an))
     assert skip
     top = an.noremat_predicted_peak
     budget = (an.min_feasible_budget() + top) // 2

@@ -52,12 +52,18 @@ def reference(workload, real_inputs):
     return jax.jit(jax.value_and_grad(wl.loss_fn))(params, *batch)
 
 
+@pytest.fixture(scope="module")
+def profiles():
+    """Stage profiles shared by the schemes' analyses of the same program."""
+    return {}
+
+
 @pytest.fixture(scope="module", params=list(SCHEMES))
-def analysis(request, workload):
+def analysis(request, workload, profiles):
     wl, opt = workload
     scheme = request.param
     return scheme, rp.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, opt,
-                              mesh=SCHEMES[scheme], sharding=scheme)
+                              mesh=SCHEMES[scheme], sharding=scheme, profiles=profiles)
 
 
 def test_plans_fit_per_device_budget_and_gradients_are_exact(workload, analysis, real_inputs,
