@@ -45,8 +45,9 @@ def _measure(m: corpus.CorpusModel, loss_fn) -> rp.Measurement:
 # peak and recompute no more, with what was measured (jax 0.10.2, 2-core CPU).
 KNOWN_MISSES = {
     ("cnn_bn", "dots_saveable"): "at the built-in's 4,526,384 B (-0.25% overhead) the plan "
-        "fits at 4,492,176 B but recomputes -0.10%; keeping every stage's convolution "
-        "outputs measures 4,571,408 B (-0.39%), over the budget",
+        "fits at 4,397,904 B but recomputes 0.29%; the block that changes the width has a "
+        "projection, so it is no copy of the other three, and the per-block plan over "
+        "those three leaves it stored: 5,089,232 B by XLA, over the budget",
 }
 CASES = [pytest.param(model, policy, id=f"{model}-{policy}",
                       marks=[pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[model, policy])]
