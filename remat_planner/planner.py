@@ -456,7 +456,8 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
             # nothing_saveable at 3.98 MB, XLA at 3,445,980 B).
             error = measured.peak_bytes - frugal.predicted_peak_bytes
             fits = _probe_per_block(an, fits, budget_bytes, [frugal.segments], loss_fn, params,
-                                    batch, optimizer, say, costs, compiles, error=error)
+                                    batch, optimizer, say, costs, compiles, error=error,
+                                    wide=True)
             if fits is not None:
                 return dataclasses.replace(fits, metadata={
                     **fits.metadata, "verify_rounds": compiles.measured,
@@ -722,7 +723,8 @@ def _scan_whole_body(stage: StageProfile, rule: str):
 
 def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: list, loss_fn,
                      params, batch, optimizer, say, costs: "_PlanCosts",
-                     compiles: _Compiles, error: int | None = None) -> Plan | None:
+                     compiles: _Compiles, error: int | None = None,
+                     wide: bool = False) -> Plan | None:
     """Compile the per-block plans (per_block_plans) that would recompute less than `best`
     and that the model, corrected by its error, puts within PER_BLOCK_MARGIN of the
     budget; the cheapest XLA fits wins (by XLA's FLOPs). Without `best` (every plan of
@@ -735,8 +737,9 @@ def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: 
     is one, with PER_BLOCK_MARGIN (the model's error on whole-block checkpoints differs
     from its error on other plans: the corpus U-Net's per-block plans +15% to +23%, the
     closed loop's plans within 3%); before one is measured, `error`, else the model's
-    error on `best`, and without `best` the wider PER_BLOCK_FIRST_MARGIN. It is measured
-    again after each probe."""
+    error on `best`, and without `best` (or `wide`: the model called the budget
+    infeasible and XLA disagreed) the wider PER_BLOCK_FIRST_MARGIN. It is measured again
+    after each probe."""
     chain = costs.objective_chain
     plans = per_block_plans(an)
 
@@ -764,7 +767,8 @@ def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: 
     for cost, segments, act in sorted(candidates, key=lambda c: c[0]):
         measured_error = block_error()
         if measured_error is None:  # the model's error on per-block plans is not known yet
-            e, margin = error, PER_BLOCK_MARGIN if best is not None else PER_BLOCK_FIRST_MARGIN
+            wide_first = wide or best is None
+            e, margin = error, PER_BLOCK_FIRST_MARGIN if wide_first else PER_BLOCK_MARGIN
         else:
             e, margin = measured_error, PER_BLOCK_MARGIN
         if an.predicted_peak(act) + e > budget_bytes * (1 + margin):

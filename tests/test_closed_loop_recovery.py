@@ -175,3 +175,23 @@ def test_cheaper_plan_verified_at_another_budget_is_reused(plain):
     assert p.segments == good.segments  # ... and the cheaper verified one returned
     assert p.metadata.get("verified_at_another_budget") is True
     assert p.measured_peak_bytes == good.measured_peak_bytes <= budget
+
+
+def test_per_block_plan_measured_before_calling_a_budget_infeasible(plain):
+    """At the peak of nothing_saveable per block a model overstating every activation byte
+    twice finds no plan (its smallest feasible budget is above it): before calling the
+    budget infeasible, the
+    most frugal plan and then the per-block plans are measured, and the per-block plan,
+    which is the built-in, fits. With the per-block plans left out of that path, the
+    most frugal plan came back (XLA fits it too, 237.2e6 FLOPs against the built-in's
+    175.4e6)."""
+    import jax
+    m, an = plain
+    builtin = rp.measure(m.make_remat_loss((jax.checkpoint_policies.nothing_saveable,)
+                                           * m.n_blocks), m.params, m.batch, m.optimizer)
+    w = wrong(an, 2.0)
+    assert w.min_feasible_budget() > builtin.peak_bytes  # the premise: the model says no
+    p = _plan(m, builtin.peak_bytes, w)
+    assert p.measured_peak_bytes <= builtin.peak_bytes
+    assert p.measured_flops <= builtin.flops * (1 + 1e-4)
+    assert p.metadata["compiles"] <= 4
