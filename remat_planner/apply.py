@@ -303,39 +303,6 @@ def block_ranges(program: Program) -> list[tuple[int, int]]:
     return ranges
 
 
-def builtin_policy_loss(loss_fn: Callable, params, batch: Sequence, policy,
-                        has_aux: bool = False) -> Callable:
-    """`loss_fn` with each repeated block in its own jax.checkpoint(policy=...); blocks
-    stacked by a scan (nn.scan) get the policy on the scan body, as `nn.remat` of the
-    block inside `nn.scan` would."""
-    program = trace(loss_fn, params, *batch, has_aux=has_aux)
-    blocks = block_ranges(program)
-    last, defs = last_uses(program), definitions(program)
-    end = len(program.eqns)
-    layer_scan = scan.find_layer_scan(program)
-
-    def evaluate(lo: int, hi: int, env: dict) -> None:
-        if layer_scan is None or not lo <= layer_scan < hi:
-            eval_range(program, lo, hi, env)
-            return
-        eval_range(program, lo, layer_scan, env)
-        run_with_policy(program, layer_scan, policy, env)
-        eval_range(program, layer_scan + 1, hi, env)
-
-    def loss(p, *b):
-        env = program.bind(jax.tree.leaves((p, *b)))
-        pos = 0
-        for lo, hi in blocks + [(end, end)]:
-            evaluate(pos, lo, env)
-            if hi > lo:
-                ins, outs = stage_io(program, lo, hi, last, defs)
-                fn = jax.checkpoint(make_segment_fn(program, lo, hi, ins, outs), policy=policy)
-                env.update(zip(outs, fn(*[env[v] for v in ins])))
-            pos = hi
-        return program.output(env)
-    return loss
-
-
 # ---------------------------------------------------------------------------------------
 # Layer-stack scans: a scan scheme (plan.ScanScheme) replayed; its cost model is scan.py's
 # ---------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 - `no_remat`: the step as written.
 - `nothing_saveable`, `dots_saveable`, `dots_with_no_batch_dims_saveable`: each repeated
   block in its own `jax.checkpoint(policy=...)` (`nn.remat(block, policy=...)`; inside a
-  layer-stack scan, the policy on the scan body), as apply.builtin_policy_loss builds them.
+  layer-stack scan, the policy on the scan body), as `policy_loss` builds them.
 - `sqrt_n_grouping`: Chen et al.'s two-level scheme. The n blocks are cut into groups of
   about sqrt(n); each group is one checkpoint that keeps only its input, and inside it
   each block is its own checkpoint (nothing_saveable), so the backward pass recomputes a
@@ -14,17 +14,23 @@
 
 Every point is measured by verify.measure: XLA's memory_analysis peak and FLOPs of the
 donated optimizer step, compiled with the CPU option that keeps remat.
+
+This module is the one home of the comparison points: `POLICIES` (the built-in policies'
+table), `NAMES` (the points in table order), `builtin_point` (a point's loss and how it
+groups the blocks) and `measure_builtin`. The planner's `measure_builtin_policies`, the
+CLI's comparison, the frontier and maxbatch all build their points here. It imports only
+the pipeline stages up to verify, so the planner may import it (tests/test_imports.py).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 
 from . import apply, scan
-from .apply import block_ranges, builtin_policy_loss
+from .apply import block_ranges, run_with_policy
 from .graph import definitions, last_uses
 from .memory import make_segment_fn, stage_io
 from .trace import Literal, eval_range, trace
@@ -32,6 +38,7 @@ from .verify import Measurement, as_batch, measure
 
 NO_REMAT = "no_remat"
 SQRT_N = "sqrt_n_grouping"
+# JAX's built-in checkpoint policies, each applied to every block: the one table of them.
 POLICIES = {
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
@@ -39,6 +46,40 @@ POLICIES = {
 }
 # The comparison points, in the order tables list them.
 NAMES = (NO_REMAT, *POLICIES, SQRT_N)
+
+
+def policy_loss(loss_fn: Callable, params, batch: Sequence, policy,
+                has_aux: bool = False) -> Callable:
+    """`loss_fn` with each repeated block in its own jax.checkpoint(policy=...) for any JAX
+    policy (one of POLICIES, or e.g. remat_planner.dots_narrow_saveable); blocks stacked by
+    a scan (nn.scan) get the policy on the scan body, as `nn.remat` of the block inside
+    `nn.scan` would."""
+    program = trace(loss_fn, params, *batch, has_aux=has_aux)
+    blocks = block_ranges(program)
+    last, defs = last_uses(program), definitions(program)
+    end = len(program.eqns)
+    layer_scan = scan.find_layer_scan(program)
+
+    def evaluate(lo: int, hi: int, env: dict) -> None:
+        if layer_scan is None or not lo <= layer_scan < hi:
+            eval_range(program, lo, hi, env)
+            return
+        eval_range(program, lo, layer_scan, env)
+        run_with_policy(program, layer_scan, policy, env)
+        eval_range(program, layer_scan + 1, hi, env)
+
+    def loss(p, *b):
+        env = program.bind(jax.tree.leaves((p, *b)))
+        pos = 0
+        for lo, hi in blocks + [(end, end)]:
+            evaluate(pos, lo, env)
+            if hi > lo:
+                ins, outs = stage_io(program, lo, hi, last, defs)
+                fn = jax.checkpoint(make_segment_fn(program, lo, hi, ins, outs), policy=policy)
+                env.update(zip(outs, fn(*[env[v] for v in ins])))
+            pos = hi
+        return program.output(env)
+    return loss
 
 
 def group_size(n: int) -> int:
@@ -121,19 +162,38 @@ def sqrt_grouping_loss(loss_fn: Callable, params, batch: Sequence,
     return loss, f"{n} blocks in {len(groups)} checkpointed group(s) of up to {k}"
 
 
+class BuiltinPoint(NamedTuple):
+    """A comparison point as a loss function, and how it checkpoints the blocks."""
+    loss: Callable
+    grouping: str
+
+
+def builtin_point(name: str, loss_fn: Callable, params, batch: Sequence,
+                  has_aux: bool = False) -> BuiltinPoint:
+    """The comparison point `name` (one of NAMES): `loss_fn` as written, with the built-in
+    policy POLICIES[name] per block, or with sqrt(n) grouping; and a description of its
+    grouping ("no checkpoint", "per block", or sqrt_grouping_loss's)."""
+    batch = as_batch(batch)
+    if name == NO_REMAT:
+        return BuiltinPoint(loss_fn, "no checkpoint")
+    if name == SQRT_N:
+        return BuiltinPoint(*sqrt_grouping_loss(loss_fn, params, batch, has_aux))
+    if name not in POLICIES:
+        raise ValueError(f"unknown comparison point {name!r}: one of {', '.join(NAMES)}")
+    return BuiltinPoint(policy_loss(loss_fn, params, batch, POLICIES[name], has_aux),
+                        "per block")
+
+
 def builtin_loss(name: str, loss_fn: Callable, params, batch: Sequence,
                  has_aux: bool = False) -> Callable:
     """The comparison point `name` (one of NAMES) as a loss function."""
-    batch = as_batch(batch)
-    if name == NO_REMAT:
-        return loss_fn
-    if name == SQRT_N:
-        return sqrt_grouping_loss(loss_fn, params, batch, has_aux)[0]
-    return builtin_policy_loss(loss_fn, params, batch, POLICIES[name], has_aux)
+    return builtin_point(name, loss_fn, params, batch, has_aux).loss
 
 
 def measure_builtin(name: str, loss_fn: Callable, params, batch, optimizer=None,
-                    has_aux: bool = False) -> Measurement:
-    """XLA's peak and FLOPs of the step with comparison point `name`."""
+                    has_aux: bool = False, sharding=None,
+                    programs: dict | None = None) -> Measurement:
+    """XLA's peak and FLOPs of the step with comparison point `name` (per device under
+    `sharding`; `programs` as verify.measure takes it)."""
     return measure(builtin_loss(name, loss_fn, params, batch, has_aux), params, batch,
-                   optimizer, has_aux)
+                   optimizer, has_aux, sharding=sharding, programs=programs)

@@ -409,8 +409,7 @@ def _analyze_and_plan(wl, optimizer, budget: int, verify: bool, say, spec=None,
 
 
 def _plan(args) -> int:
-    from . import planner as pl
-    from .apply import builtin_policy_loss
+    from . import baselines as bl
     from .verify import measure
 
     err = _console(stderr=True)
@@ -424,16 +423,16 @@ def _plan(args) -> int:
     pool = ThreadPoolExecutor(max_workers=1) if compare else None
     futures = {}
     if pool is not None:
-        for name, policy in pl.BUILTIN_POLICIES.items():
-            loss = builtin_policy_loss(wl.loss_fn, wl.abstract_params, wl.abstract_batch,
-                                       policy, wl.has_aux)
+        for name in bl.POLICIES:
+            loss = bl.builtin_loss(name, wl.loss_fn, wl.abstract_params, wl.abstract_batch,
+                                   wl.has_aux)
             futures[name] = pool.submit(measure, loss, wl.abstract_params, wl.abstract_batch,
                                         optimizer, wl.has_aux, sharding=args.spec)
     try:
         an, plan = _saved_or_new_plan(args, cfg, wl, optimizer, budget, verify, say)
         baselines = {}
         if compare:
-            baselines["no_remat"] = an.noremat
+            baselines[bl.NO_REMAT] = an.noremat
             say("measuring JAX's built-in policies per block")
             for name, fut in futures.items():
                 baselines[name] = fut.result()

@@ -322,10 +322,7 @@ def _measure_builtin(name: str, wl, optimizer, programs: dict | None = None):
     """(loss, how it groups, XLA's measurement) of the built-in comparison point `name`;
     its step's program is entered in `programs` (verify.measure)."""
     P, B = wl.abstract_params, wl.abstract_batch
-    if name == baselines.SQRT_N:
-        loss, how = baselines.sqrt_grouping_loss(wl.loss_fn, P, B, wl.has_aux)
-    else:
-        loss, how = baselines.builtin_loss(name, wl.loss_fn, P, B, wl.has_aux), "per block"
+    loss, how = baselines.builtin_point(name, wl.loss_fn, P, B, wl.has_aux)
     return loss, how, measure(loss, P, B, optimizer, wl.has_aux, programs=programs)
 
 

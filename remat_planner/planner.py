@@ -14,8 +14,8 @@ from typing import Callable
 
 import jax
 
-from . import scan
-from .apply import builtin_policy_loss, input_signature
+from . import baselines, scan
+from .apply import input_signature
 from .budget import parse_budget, units_of
 from .constants import (MAX_PROBES, MAX_VERIFY_COMPILES, PER_BLOCK_FIRST_MARGIN,
                         PER_BLOCK_MARGIN, PROBE_MARGIN,
@@ -953,11 +953,8 @@ def _plan_from_segments(an: Analysis, segments, budget_bytes: int, predicted: in
 # Built-in JAX policies per block, for comparison
 # ---------------------------------------------------------------------------------------
 
-BUILTIN_POLICIES = {
-    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+BUILTIN_POLICIES = baselines.POLICIES  # the table lives in baselines.py
+
 
 def measure_builtin_policies(loss_fn: Callable, params, batch, optimizer=None,
                              progress: Progress | None = None,
@@ -973,8 +970,8 @@ def measure_builtin_policies(loss_fn: Callable, params, batch, optimizer=None,
     out = {}
     say("measuring: no remat")
     out["no_remat"] = measure(loss_fn, params, batch, optimizer, has_aux, sharding=spec)
-    for name, policy in BUILTIN_POLICIES.items():
+    for name in baselines.POLICIES:
         say(f"measuring: {name} per block")
-        out[name] = measure(builtin_policy_loss(loss_fn, params, as_batch(batch), policy, has_aux),
-                            params, batch, optimizer, has_aux, sharding=spec)
+        out[name] = baselines.measure_builtin(name, loss_fn, params, batch, optimizer, has_aux,
+                                              sharding=spec)
     return out

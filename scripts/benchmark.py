@@ -60,12 +60,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from remat_planner import costmodel  # noqa: E402
+from remat_planner import baselines, costmodel  # noqa: E402
 from remat_planner import planner as pl  # noqa: E402
-from remat_planner.apply import builtin_policy_loss  # noqa: E402
 from remat_planner.config import build_workload, load_config, make_optimizer  # noqa: E402
 from remat_planner.errors import RematPlannerError  # noqa: E402
-from remat_planner.verify import as_batch, train_step  # noqa: E402
+from remat_planner.verify import train_step  # noqa: E402
 
 MiB = 2**20
 BEGIN, END = "<!-- benchmark:begin -->", "<!-- benchmark:end -->"
@@ -104,10 +103,10 @@ def build_variants(wl, opt, args, say) -> tuple[list[Variant], pl.Analysis]:
         variants.append(v)
 
     add("no remat", wl.loss_fn, base["no_remat"])
-    for name, policy in pl.BUILTIN_POLICIES.items():
-        add(name, builtin_policy_loss(wl.loss_fn, P, as_batch(B), policy, wl.has_aux), base[name])
+    for name in baselines.POLICIES:
+        add(name, baselines.builtin_loss(name, wl.loss_fn, P, B, wl.has_aux), base[name])
     budgets = [] if args.no_policy_budgets else [
-        (f"at {name} peak", base[name].peak_bytes) for name in pl.BUILTIN_POLICIES]
+        (f"at {name} peak", base[name].peak_bytes) for name in baselines.POLICIES]
     low, high = an.min_feasible_budget(), base["no_remat"].peak_bytes
     budgets += [(f"{f:.2f} of range", int(low + f * (high - low)))
                 for f in map(float, filter(None, args.fractions.split(",")))]

@@ -19,19 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-import jax
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import corpus  # noqa: E402
 import remat_planner as rp  # noqa: E402
+from remat_planner.baselines import POLICIES  # noqa: E402
 from remat_planner.memory import simulate  # noqa: E402
 
-POLICIES = {
-    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-}
 MIB = 2 ** 20
 
 

@@ -23,16 +23,12 @@ import pytest
 import corpus
 import remat_planner as rp
 from remat_planner.apply import block_ranges
+from remat_planner.baselines import POLICIES  # JAX's built-in policies, name -> policy
 from remat_planner.graph import build_cost_graph, find_blocks
 from remat_planner.planner import REUSE_TOLERANCE, per_block_plans
 from remat_planner.trace import trace
 
 
-POLICIES = {
-    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-}
 # Models whose blocks are identical copies (a U-Net's and a CNN's change width).
 UNIFORM_BLOCKS = ("hf_gpt2", "selfattn_gpt", "bert_encoder", "plain_jax", "nnx_lm", "mlp_mixer")
 

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 
-from remat_planner import costmodel
+from remat_planner import baselines, costmodel
 from remat_planner import planner as pl
 from remat_planner.graph import build_cost_graph, eqn_bytes, jaxpr_bytes, jaxpr_flops
 from remat_planner.memory import (ChainModel, KeepOption, StageProfile, profile_stages,
@@ -237,7 +237,7 @@ def test_benchmark_script_smoke(tmp_path):
     assert f"jax {jax.__version__}" in text
     data = json.loads(out.read_text())[str(cfg)]
     labels = [v["label"] for v in data["variants"]]
-    assert labels[:4] == ["no remat", *pl.BUILTIN_POLICIES]
+    assert labels[:4] == ["no remat", *baselines.POLICIES]
     assert any(l.startswith("plan ") for l in labels)
     for v in data["variants"]:
         assert len(v["times"]) == 2 and all(t > 0 for t in v["times"])

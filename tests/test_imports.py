@@ -119,6 +119,21 @@ def test_describe_sits_below_the_planner():
     assert not below & above, f"describe reaches {sorted(below & above)}"
 
 
+def test_baselines_sit_between_verify_and_the_planner():
+    """baselines.py, the one home of JAX's built-in comparison points, is read by the
+    planner (measure_builtin_policies) and by the front ends: it reaches neither the
+    planner nor a front end, and no pipeline stage below the planner imports it."""
+    graph, _ = import_graph()
+    below = nx.descendants(graph, "remat_planner.baselines")
+    above = {f"remat_planner.{m}" for m in ("planner", "cli", "frontier", "maxbatch",
+                                             "explain", "export")}
+    assert not below & above, f"baselines reaches {sorted(below & above)}"
+    stages = ("trace", "graph", "memory", "solve", "scan", "apply", "verify")
+    readers = {a for a, b in graph.in_edges("remat_planner.baselines")}
+    assert not readers & {f"remat_planner.{m}" for m in stages}, sorted(readers)
+    assert "remat_planner.planner" in readers
+
+
 def _numeric(node) -> bool:
     """A number, or arithmetic on numbers (`1 << 20`, `6 - 2`, names of constants aside)."""
     if isinstance(node, ast.Constant):

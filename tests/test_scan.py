@@ -13,7 +13,7 @@ import pytest
 
 import remat_planner as rp
 from remat_planner import planner, scan
-from remat_planner.apply import builtin_policy_loss
+from remat_planner.baselines import builtin_loss
 from remat_planner.errors import PlanMismatchError
 from remat_planner.memory import simulate
 from remat_planner.models.gpt2_workload import GPT2Settings, build_gpt2
@@ -375,8 +375,8 @@ def test_unrolled_and_scanned_plans_cost_the_same():
 # ---------------------------------------------------------------------------------------
 
 def test_builtin_policy_goes_on_the_scan_body(scanned, analysis, real_inputs, reference):
-    loss = builtin_policy_loss(scanned.loss_fn, scanned.abstract_params, scanned.abstract_batch,
-                               jax.checkpoint_policies.nothing_saveable)
+    loss = builtin_loss("nothing_saveable", scanned.loss_fn, scanned.abstract_params,
+                        scanned.abstract_batch)
     none = analysis.noremat  # the same step without remat
     remat = measure(loss, scanned.abstract_params, scanned.abstract_batch, OPT)
     assert remat.peak_bytes < none.peak_bytes

@@ -1,0 +1,255 @@
+"""memory.py through its public functions: fixed bytes of a known pytree, the per-parameter
+update detection, stage profiles of a small MLP worked out by hand, and `simulate` /
+`timeline` on plans of it. No XLA compile but fixed_memory's optimizer update and one
+profile with measure_xla (a few seconds)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from remat_planner.graph import build_cost_graph
+from remat_planner.memory import (compiler_options, fixed_memory, measure_compiler_options,
+                                  per_parameter_update, profile_stages, simulate, timeline,
+                                  tree_bytes)
+from remat_planner.plan import DOTS_NO_BATCH, NOTHING, STORE, Segment
+from remat_planner.trace import trace
+
+f32 = jnp.float32
+
+# DEPTH layers x <- tanh(x @ w) on a (ROWS, WIDTH) float32 batch, then mean(x ** 2).
+DEPTH, WIDTH, ROWS = 4, 32, 16
+ACT = ROWS * WIDTH * 4                        # one activation: 2,048 bytes
+LAYER_FLOPS = 2 * ROWS * WIDTH * WIDTH + ROWS * WIDTH  # the matmul and the tanh: 33,280
+
+
+def _mlp_loss(params, x):
+    for w in params:
+        x = jnp.tanh(x @ w)
+    return jnp.mean(x ** 2)
+
+
+MLP_PARAMS = [jax.ShapeDtypeStruct((WIDTH, WIDTH), f32)] * DEPTH
+MLP_BATCH = (jax.ShapeDtypeStruct((ROWS, WIDTH), f32),)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    program = trace(_mlp_loss, MLP_PARAMS, *MLP_BATCH)
+    cost = build_cost_graph(program)
+    return program, cost, profile_stages(program, cost, measure_xla=False)
+
+
+# ---------------------------------------------------------------------------------------
+# Fixed memory
+# ---------------------------------------------------------------------------------------
+
+PARAMS = {"w": jax.ShapeDtypeStruct((64, 32), f32), "b": jax.ShapeDtypeStruct((32,), f32),
+          "emb": jax.ShapeDtypeStruct((10, 8), jnp.bfloat16)}
+PARAM_BYTES = 64 * 32 * 4 + 32 * 4 + 10 * 8 * 2  # 8,448
+BATCH = (jax.ShapeDtypeStruct((16, 64), f32), jax.ShapeDtypeStruct((16,), jnp.int32))
+BATCH_BYTES = 16 * 64 * 4 + 16 * 4
+
+
+def test_tree_bytes_counts_every_leaf_at_its_dtype():
+    assert tree_bytes(PARAMS) == PARAM_BYTES
+    assert tree_bytes(BATCH) == BATCH_BYTES
+    assert tree_bytes({}) == 0
+
+
+def test_fixed_memory_adds_params_grads_adam_state_and_batch_exactly():
+    """Adam keeps two moments like the parameters (mu, nu) and an int32 step count."""
+    fm = fixed_memory(PARAMS, BATCH, optax.adam(1e-3))
+    assert fm.params_bytes == PARAM_BYTES
+    assert fm.grads_bytes == PARAM_BYTES  # every leaf is floating
+    assert fm.opt_state_bytes == 2 * PARAM_BYTES + 4
+    assert fm.batch_bytes == BATCH_BYTES
+    assert fm.aux_bytes == 0 and fm.staged_grads_bytes == 0
+    assert fm.total == PARAM_BYTES * 4 + 4 + BATCH_BYTES
+    # The update's workspace is XLA's, after the backward: not part of the total.
+    assert fm.update_temp_bytes >= 0
+
+
+def test_fixed_memory_without_optimizer_and_with_integer_leaves():
+    """No optimizer: no state, no update workspace. An integer leaf has no gradient."""
+    params = {**PARAMS, "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    fm = fixed_memory(params, BATCH)
+    assert fm.params_bytes == PARAM_BYTES + 4
+    assert fm.grads_bytes == PARAM_BYTES
+    assert fm.opt_state_bytes == 0 and fm.update_temp_bytes == 0
+    assert fm.total == 2 * PARAM_BYTES + 4 + BATCH_BYTES
+
+
+def test_fixed_memory_sgd_keeps_no_state_and_momentum_one_copy():
+    assert fixed_memory(PARAMS, BATCH, optax.sgd(0.1)).opt_state_bytes == 0
+    assert fixed_memory(PARAMS, BATCH, optax.sgd(0.1, momentum=0.9)).opt_state_bytes \
+        == PARAM_BYTES
+
+
+# ---------------------------------------------------------------------------------------
+# Per-parameter updates (gradient lifetimes)
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("optimizer, expected", [
+    (optax.sgd(0.1), True),
+    (optax.adam(1e-3), True),
+    (optax.adamw(1e-3, weight_decay=0.1), True),
+    (optax.chain(optax.clip(1.0), optax.adam(1e-3)), True),  # elementwise: per leaf
+    (optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), False),
+    (optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)), False),
+], ids=["sgd", "adam", "adamw", "clip-adam", "global-norm-adamw", "global-norm-sgd"])
+def test_per_parameter_update_is_read_from_the_update_dataflow(optimizer, expected):
+    """True where each leaf's update reads only its own gradient; a global norm reads
+    all of them, whatever optimizer follows it."""
+    assert per_parameter_update(optimizer, PARAMS) is expected
+
+
+# ---------------------------------------------------------------------------------------
+# Compiler options
+# ---------------------------------------------------------------------------------------
+
+def test_compiler_options_keep_remat_on_cpu():
+    opts = compiler_options()
+    if jax.default_backend() == "cpu":
+        assert "cse_barrier_expander" in opts["xla_disable_hlo_passes"]
+    else:
+        assert opts == {}
+    measured = measure_compiler_options()
+    assert {k: measured[k] for k in opts} == opts  # measuring keeps what running keeps
+    assert measured["xla_backend_optimization_level"] == 0
+    compiler_options()["extra"] = 1  # a copy each call: the module's dict is untouched
+    assert "extra" not in compiler_options()
+
+
+# ---------------------------------------------------------------------------------------
+# Stage profiles, worked out by hand on the MLP
+# ---------------------------------------------------------------------------------------
+
+def test_profile_has_a_stage_per_layer_with_store_first(mlp):
+    program, cost, chain = mlp
+    assert chain.n == len(cost.stages) >= DEPTH
+    for s in chain.stages:
+        assert s.options[0].name == STORE
+        assert s.options[0].recompute_flops == 0.0
+        assert s.option(STORE) is s.options[0]
+    with pytest.raises(KeyError):
+        chain.stages[0].option("no such option")
+    # A layer's forward: its matmul and its tanh.
+    assert [s.flops for s in chain.stages[:DEPTH]] == [LAYER_FLOPS] * DEPTH
+
+
+def test_store_keeps_at_least_what_nothing_keeps_and_recomputes_nothing(mlp):
+    _, _, chain = mlp
+    for s in chain.stages:
+        store, nothing = s.option(STORE), s.option(NOTHING)
+        assert store.keep_bytes >= nothing.keep_bytes
+        assert store.recompute_flops == 0.0 <= nothing.recompute_flops
+        for o in s.options:
+            assert nothing.keep_bytes <= o.keep_bytes <= store.keep_bytes or o is store
+
+
+def test_nothing_keeps_the_layer_input_and_recomputes_its_forward(mlp):
+    """Layer 0's input is the batch (an argument, held anyway): it keeps nothing; every
+    later layer keeps its input, one activation. Each recomputes its whole forward."""
+    _, _, chain = mlp
+    layers = chain.stages[:DEPTH]
+    assert [s.option(NOTHING).keep_bytes for s in layers] == [0] + [ACT] * (DEPTH - 1)
+    assert [s.option(NOTHING).recompute_flops for s in layers] == [LAYER_FLOPS] * DEPTH
+
+
+def test_dots_keep_the_matmul_output_and_recompute_only_the_tanh(mlp):
+    program, cost, chain = mlp
+    for k, s in enumerate(chain.stages[:DEPTH]):
+        dots, nothing = s.option(DOTS_NO_BATCH), s.option(NOTHING)
+        assert dots.keep_bytes == nothing.keep_bytes + ACT  # one (16, 32) f32 dot output
+        assert 0 < dots.recompute_flops < 2 * ROWS * WIDTH * WIDTH  # the matmul is kept
+        # The saved value is the stage's own dot_general output.
+        (v,) = dots.saved
+        st = cost.stages[k]
+        eqn = next(e for e in program.eqns[st.start:st.stop] if v in e.outvars)
+        assert eqn.primitive.name == "dot_general"
+
+
+def test_boundaries_are_one_activation_between_layers(mlp):
+    _, _, chain = mlp
+    assert chain.boundary[0] == 0 and chain.boundary[-1] == 0  # no input, a scalar loss
+    assert all(b == ACT for b in chain.boundary[1:DEPTH + 1])
+
+
+def test_identical_layers_share_one_profile(mlp):
+    """Layers 1..3 are the same equations up to renaming: the same figures."""
+    _, _, chain = mlp
+    figures = [tuple((o.name, o.keep_bytes, o.recompute_flops) for o in s.options)
+               for s in chain.stages[1:DEPTH]]
+    assert len(set(figures)) == 1
+
+
+def test_profiles_dict_is_reused_across_calls(mlp):
+    program, cost, chain = mlp
+    profiles: dict = {}
+    first = profile_stages(program, cost, measure_xla=False, profiles=profiles)
+    n = len(profiles)
+    assert n > 0
+    messages = []
+    again = profile_stages(program, cost, measure_xla=False, profiles=profiles,
+                           progress=messages.append)
+    assert again == first == chain
+    assert len(profiles) == n
+    assert messages == []  # nothing profiled the second time
+
+
+def test_measured_workspace_is_xla_s_and_leaves_keep_options_alone(mlp):
+    program, cost, chain = mlp
+    measured = profile_stages(program, cost, measure_xla=True)
+    for a, b in zip(measured.stages, chain.stages):
+        assert [(o.name, o.keep_bytes, o.recompute_flops) for o in a.options] \
+            == [(o.name, o.keep_bytes, o.recompute_flops) for o in b.options]
+        assert a.fwd_temp_bytes >= 0 and a.bwd_temp_bytes >= 0
+    assert any(s.bwd_temp_bytes > 0 for s in measured.stages)
+
+
+# ---------------------------------------------------------------------------------------
+# simulate / timeline
+# ---------------------------------------------------------------------------------------
+
+def _each(chain, option):
+    return tuple(Segment(i, i + 1, option if any(o.name == option for o in s.options)
+                         else STORE) for i, s in enumerate(chain.stages))
+
+
+def test_simulate_storing_everything_recomputes_nothing(mlp):
+    _, _, chain = mlp
+    peak, flops = simulate(chain, _each(chain, STORE))
+    assert flops == 0.0
+    assert peak >= sum(s.option(STORE).keep_bytes for s in chain.stages)
+
+
+def test_simulate_nothing_per_layer_recomputes_each_forward_once(mlp):
+    _, _, chain = mlp
+    store_peak, _ = simulate(chain, _each(chain, STORE))
+    peak, flops = simulate(chain, _each(chain, NOTHING))
+    assert flops == sum(s.option(NOTHING).recompute_flops for s in chain.stages)
+    assert flops == DEPTH * LAYER_FLOPS
+    assert peak < store_peak
+
+
+def test_a_region_over_the_layers_recomputes_their_forward(mlp):
+    """One checkpoint over the DEPTH layers, each stored inside: the backward reruns the
+    layers' forwards (the last one only as far as its backward needs: here all of it)."""
+    _, _, chain = mlp
+    region = Segment(0, DEPTH, NOTHING, (),
+                     tuple(Segment(i, i + 1, STORE) for i in range(DEPTH)))
+    rest = tuple(Segment(i, i + 1, STORE) for i in range(DEPTH, chain.n))
+    _, flops = simulate(chain, (region, *rest))
+    assert flops == DEPTH * LAYER_FLOPS
+
+
+def test_timeline_peak_is_simulate_s(mlp):
+    _, _, chain = mlp
+    for plan in (_each(chain, STORE), _each(chain, NOTHING)):
+        events = timeline(chain, plan)
+        assert max(e.live_bytes for e in events) == simulate(chain, plan)[0]
+        assert [e.phase for e in events] == ["forward"] * chain.n + ["backward"] * chain.n
+        assert all(e.kept_bytes <= e.live_bytes for e in events)
