@@ -356,12 +356,35 @@ def find_blocks(program: Program, flops=None, crossing=None) -> tuple[BlockGroup
         if g is None:
             searched.add(run)
             continue
-        for lo, hi in g.ranges:
-            covered[lo:hi] = True
-        # the same block at another width, anywhere not claimed yet
-        more = _occurrences(shape_free, shape_free[g.starts[0]:g.starts[0] + g.length],
-                            covered)
-        claim(BlockGroup(tuple(sorted((*g.starts, *more))), g.length))
+        claim(g)
+    if groups:
+        # The model's block (the group covering the most) at another width, where it
+        # does not repeat in a row (copies in a row are a group of their own, with their
+        # own cuts inside: a ResNet-50's stages), even over a smaller group's copies (the
+        # corpus CNN's last block, which a phase-shifted pair of its halves had taken).
+        main = max(groups, key=lambda g: (len(g.starts) * g.length, g.length))
+        held = np.zeros(n, dtype=bool)
+        for g in groups:
+            if g.length >= main.length:
+                for lo, hi in g.ranges:
+                    held[lo:hi] = True
+        more = _occurrences(shape_free, shape_free[main.starts[0]:main.starts[0] + main.length],
+                            held)
+        more = [s for s in more if s - main.length not in more and s + main.length not in more]
+        if more:
+            taken = np.zeros(n, dtype=bool)
+            for s in more:
+                taken[s:s + main.length] = True
+            kept = []
+            for g in groups:
+                if g is main:
+                    g = BlockGroup(tuple(sorted((*g.starts, *more))), g.length)
+                elif g.length < main.length:
+                    g = BlockGroup(tuple(s for s in g.starts
+                                         if not taken[s:s + g.length].any()), g.length)
+                if len(g.starts) >= 2:
+                    kept.append(g)
+            groups[:] = kept
     # Where no block repeats in a row, copies of one block anywhere (a U-Net). Where one
     # does, the rest is its surroundings: a ResNet's stem and the first half of its
     # projection block are alike up to shapes, but cutting there took the cuts the
@@ -529,16 +552,20 @@ def _stages_and_blocks(program: Program, graph: nx.DiGraph, max_stages: int):
     counted = _activations(program) - _shared_by_copies(program, groups) - program.aux_outputs
     crossing = crossing_bytes(program, graph, counted)
     largest = _largest_crossing_value(program, graph, n, counted)
-    block_cuts = _block_cuts(program, graph, groups, counted, flops)
-    inside = np.zeros(n + 1, dtype=bool)
+    # The copies of the same shapes as each group's first share its cuts inside; a copy
+    # at another width is cut inside where the dataflow says, as any other stretch (the
+    # corpus CNN's last block; a ResNet-50 stage's blocks, whose cuts inside are not at
+    # the same places as those of the first stage's)
     tok = _eqn_tokens(program)
-    for g in groups:
-        first = tok[g.starts[0]:g.starts[0] + g.length]
+    exact = [BlockGroup(tuple(s for s in g.starts
+                              if np.array_equal(tok[s:s + g.length],
+                                                tok[g.starts[0]:g.starts[0] + g.length])),
+                        g.length) for g in groups]
+    block_cuts = _block_cuts(program, graph, exact, counted, flops)
+    inside = np.zeros(n + 1, dtype=bool)
+    for g in exact:
         for lo, hi in g.ranges:
-            # a copy at another width may be cut inside where the dataflow says, as any
-            # other stretch (the corpus CNN's last block: its stage's first block, which
-            # changed the width, is no copy to share cuts with)
-            inside[lo + 1:hi] |= np.array_equal(tok[lo:hi], first)
+            inside[lo + 1:hi] = True
     boundaries = [k for k in range(1, n) if not inside[k]]
     passing, largest_local = _passing_bytes(program, graph, boundaries, counted)
     others = []
@@ -548,7 +575,7 @@ def _stages_and_blocks(program: Program, graph: nx.DiGraph, max_stages: int):
         elif k in passing and crossing[k] - passing[k] <= STREAM_RATIO * largest_local[k]:
             others.append(k)
     protected = sorted({c for g in groups for r in g.ranges for c in r} - {0, n})
-    cuts = _limit_cuts(groups, block_cuts, protected, others, crossing, n, max_stages - 1)
+    cuts = _limit_cuts(exact, block_cuts, protected, others, crossing, n, max_stages - 1)
     cuts = _merge_trivial(cuts, flops, n, frozenset(protected))
     bounds = [0, *cuts, n]
     stages = []
