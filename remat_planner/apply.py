@@ -8,6 +8,7 @@ equation, so gradients are exactly those of the original loss.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -22,7 +23,7 @@ from . import scan
 from .errors import PlanMismatchError
 from .graph import definitions, find_blocks, last_uses
 from .memory import ChainModel, make_segment_fn, stage_io, value_name
-from .plan import Plan, ScanScheme, Segment, is_scan_option, layer_policies
+from .plan import KeepRule, Plan, ScanOption, ScanScheme, Segment, Store, layer_policies
 from .scan import Body, body_chain, layer_body, parse_plan, whole_body_chain
 from .sharding import (ShardingSpec, carry_constraint, gathered_params, program_param_specs,
                        scan_body_shardings)
@@ -159,62 +160,109 @@ def run_segments(program: Program, plan: Plan, segments: Sequence[Segment], env:
     each once more instead of stacking every iteration's gathered weights (gathered
     vectors, biases and norm scales, are kept: see _vectors). `scan_sharding` (a
     ShardingSpec and parameter specs by id) is passed on to a layer-stack scan."""
-    gathers = gathers or {}  # inside a region the weights arrive gathered: a no-op again
+    replay = _Replay(program, plan, last, defs, pinned, gathers or {}, in_scan, scan_sharding)
     for seg in segments:
-        lo, hi = plan.stages[seg.start].start, plan.stages[seg.stop - 1].stop
-        if is_scan_option(seg.option):  # the layer stack, rebuilt as the scheme says
-            run_stage(program, lo, hi, seg.option, env, scan_sharding)
-            continue
-        pins = [v for e in program.eqns[lo:hi] for v in e.outvars if v in pinned]
-        if not seg.is_checkpoint:
-            if pins or gathers:
-                # Outside checkpoints too: pinned values tagged (for enclosing regions) and
-                # weights gathered the same way, so the unplanned (all-store) step and the
-                # planned one partition alike and differ only by their recomputation.
-                ins, outs = stage_io(program, lo, hi, last, defs)
-                to_gather = [i for i, v in enumerate(ins) if v in gathers]
-                if to_gather and in_scan:
-                    # Stored, but what depends on the weights alone (the gathered weights,
-                    # their casts) is computed again in the backward, not kept: everything
-                    # else is tagged and kept by name.
-                    keep = tuple(dict.fromkeys((*pins, *_activations(
-                        program, lo, hi, {ins[i] for i in to_gather}))))
-                    fn = _gathering(make_segment_fn(program, lo, hi, ins, outs, tag=keep),
-                                    ins, to_gather, gathers)
-                    fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(
-                        *[value_name(v) for v in keep],
-                        *[gather_name(ins[i]) for i in _vectors(program, ins, to_gather)]))
-                else:
-                    fn = make_segment_fn(program, lo, hi, ins, outs, tag=pins)
-                    if to_gather:
-                        fn = _gathering(fn, ins, to_gather, gathers)
-                env.update(zip(outs, fn(*[env[v] for v in ins])))
-            else:
-                eval_range(program, lo, hi, env)
-            continue
-        ins, outs = stage_io(program, lo, hi, last, defs)
-        saved = tuple(dict.fromkeys((*seg.saved, *pins)))
-        if seg.children:
-            def body(*args, _seg=seg, _ins=ins, _outs=outs):
-                inner = program.region_env(_ins, args)
-                # (scan bodies: the weights arrive gathered; their children need no own)
-                run_segments(program, plan, _seg.children, inner, last, defs, pinned,
-                             None if in_scan else gathers, in_scan=in_scan,
-                             scan_sharding=scan_sharding)
-                return [inner[v] for v in _outs]
-        else:
-            body = make_segment_fn(program, lo, hi, ins, outs, tag=saved)
-        names = [value_name(v) for v in saved]
-        to_gather = [i for i, v in enumerate(ins) if v in gathers]
+        kind = seg.kind
+        try:
+            run = REPLAY[type(kind)]
+        except KeyError:
+            raise NotImplementedError(f"apply has no replay for keep options of kind "
+                                      f"{type(kind).__name__} ({seg.option!r}): add one to "
+                                      "apply.REPLAY") from None
+        run(replay, seg, kind, env)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Replay:
+    """What replaying one level of segments needs besides the segment and `env` (see
+    run_segments). `gathers` is {} inside a region: the weights arrive gathered."""
+
+    program: Program
+    plan: Plan
+    last: dict
+    defs: dict
+    pinned: frozenset[int]
+    gathers: dict
+    in_scan: bool
+    scan_sharding: object
+
+    def equations(self, seg: Segment) -> tuple[int, int]:
+        return self.plan.stages[seg.start].start, self.plan.stages[seg.stop - 1].stop
+
+    def pins(self, lo: int, hi: int) -> list[int]:
+        return [v for e in self.program.eqns[lo:hi] for v in e.outvars if v in self.pinned]
+
+
+def _replay_store(r: _Replay, seg: Segment, kind: Store, env: dict) -> None:
+    """A stored stage: evaluated as traced, outside any checkpoint."""
+    program, gathers = r.program, r.gathers
+    lo, hi = r.equations(seg)
+    pins = r.pins(lo, hi)
+    if not (pins or gathers):
+        eval_range(program, lo, hi, env)
+        return
+    # Outside checkpoints too: pinned values tagged (for enclosing regions) and
+    # weights gathered the same way, so the unplanned (all-store) step and the
+    # planned one partition alike and differ only by their recomputation.
+    ins, outs = stage_io(program, lo, hi, r.last, r.defs)
+    to_gather = [i for i, v in enumerate(ins) if v in gathers]
+    if to_gather and r.in_scan:
+        # Stored, but what depends on the weights alone (the gathered weights,
+        # their casts) is computed again in the backward, not kept: everything
+        # else is tagged and kept by name.
+        keep = tuple(dict.fromkeys((*pins, *_activations(
+            program, lo, hi, {ins[i] for i in to_gather}))))
+        fn = _gathering(make_segment_fn(program, lo, hi, ins, outs, tag=keep),
+                        ins, to_gather, gathers)
+        fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(
+            *[value_name(v) for v in keep],
+            *[gather_name(ins[i]) for i in _vectors(program, ins, to_gather)]))
+    else:
+        fn = make_segment_fn(program, lo, hi, ins, outs, tag=pins)
         if to_gather:
-            kept = _vectors(program, ins, to_gather) if in_scan else to_gather
-            names += [gather_name(ins[i]) for i in kept]
-            body = _gathering(body, ins, to_gather, gathers)
-        policy = jax.checkpoint_policies.save_only_these_names(*names)
-        whole_body = in_scan and lo == 0 and hi == len(program.eqns) and not seg.children
-        results = jax.checkpoint(body, policy=policy, prevent_cse=not whole_body)(
-            *[env[v] for v in ins])
-        env.update(zip(outs, results))
+            fn = _gathering(fn, ins, to_gather, gathers)
+    env.update(zip(outs, fn(*[env[v] for v in ins])))
+
+
+def _replay_keep_rule(r: _Replay, seg: Segment, kind: KeepRule, env: dict) -> None:
+    """A checkpoint region keeping the segment's `saved` values (what its rule names) and
+    the pinned ones; over several stages, its children replayed inside it."""
+    program, gathers, in_scan = r.program, r.gathers, r.in_scan
+    lo, hi = r.equations(seg)
+    ins, outs = stage_io(program, lo, hi, r.last, r.defs)
+    saved = tuple(dict.fromkeys((*seg.saved, *r.pins(lo, hi))))
+    if seg.children:
+        def body(*args, _seg=seg, _ins=ins, _outs=outs):
+            inner = program.region_env(_ins, args)
+            # (scan bodies: the weights arrive gathered; their children need no own)
+            run_segments(program, r.plan, _seg.children, inner, r.last, r.defs, r.pinned,
+                         None if in_scan else gathers, in_scan=in_scan,
+                         scan_sharding=r.scan_sharding)
+            return [inner[v] for v in _outs]
+    else:
+        body = make_segment_fn(program, lo, hi, ins, outs, tag=saved)
+    names = [value_name(v) for v in saved]
+    to_gather = [i for i, v in enumerate(ins) if v in gathers]
+    if to_gather:
+        kept = _vectors(program, ins, to_gather) if in_scan else to_gather
+        names += [gather_name(ins[i]) for i in kept]
+        body = _gathering(body, ins, to_gather, gathers)
+    policy = jax.checkpoint_policies.save_only_these_names(*names)
+    whole_body = in_scan and lo == 0 and hi == len(program.eqns) and not seg.children
+    results = jax.checkpoint(body, policy=policy, prevent_cse=not whole_body)(
+        *[env[v] for v in ins])
+    env.update(zip(outs, results))
+
+
+def _replay_scan(r: _Replay, seg: Segment, kind: ScanOption, env: dict) -> None:
+    """The layer stack, rebuilt as the scheme says (run_stage)."""
+    lo, hi = r.equations(seg)
+    run_stage(r.program, lo, hi, kind.scheme, env, r.scan_sharding)
+
+
+# The replay of each kind of keep option (options.option_kinds(): a new kind adds its own).
+REPLAY: dict[type, Callable] = {Store: _replay_store, KeepRule: _replay_keep_rule,
+                                ScanOption: _replay_scan}
 
 
 def _vectors(program: Program, ins, positions) -> list[int]:
@@ -356,10 +404,10 @@ def body_step(body: Body, segments: Sequence | None = None, jax_policy=None, *,
     return it
 
 
-def run_stage(program: Program, lo: int, hi: int, option: str, env: dict,
+def run_stage(program: Program, lo: int, hi: int, option: ScanScheme | str, env: dict,
               scan_sharding=None) -> None:
     """Evaluate equations [lo, hi) on `env`, the layer-stack scan among them following
-    scheme `option` (sharded: see run_scheme)."""
+    scheme `option` (a ScanScheme or its name; sharded: see run_scheme)."""
     index = max((i for i in range(lo, hi) if program.eqns[i].name == "scan"),
                 key=lambda i: scan.eqn_flops_of(program, program.eqns[i]), default=None)
     if index is None:
@@ -370,7 +418,7 @@ def run_stage(program: Program, lo: int, hi: int, option: str, env: dict,
     eval_range(program, index + 1, hi, env)
 
 
-def run_scheme(program: Program, index: int, option: str, env: dict,
+def run_scheme(program: Program, index: int, option: ScanScheme | str, env: dict,
                scan_sharding=None) -> None:
     """Evaluate the scan at equation `index` on `env` following scheme `option`; with
     `scan_sharding` (ShardingSpec, parameter specs by id: fsdp or tp), each iteration
@@ -383,9 +431,9 @@ def run_scheme(program: Program, index: int, option: str, env: dict,
         regather, pinned = scan_body_shardings(eqn, body.program, scan_sharding[1],
                                                scan_sharding[0])
         pin_carry = carry_constraint(scan_sharding[0])
-    scheme = ScanScheme.parse(option)
+    scheme = option if isinstance(option, ScanScheme) else ScanScheme.parse(option)
     if scheme.length != body.length:
-        raise PlanMismatchError(f"scan scheme {option!r} covers {scheme.length} iterations, the "
+        raise PlanMismatchError(f"scan scheme {scheme.label()!r} covers {scheme.length} iterations, the "
                                 f"scan has {body.length}; re-plan for this model")
     chain, whole = _named_chain(body)
     try:

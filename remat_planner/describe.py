@@ -12,7 +12,8 @@ from collections import Counter
 from typing import Sequence
 
 from .memory import _run
-from .plan import DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Plan, ScanScheme, Segment
+from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, KeepRule, Plan,
+                   ScanOption, ScanScheme, Segment, Store, parse_option)
 from .units import DEFAULT_UNITS, Units, format_flops
 
 # What a segment run with each keep option holds from its forward for its backward.
@@ -40,8 +41,12 @@ _UNNAMED = re.compile(r"^eqns\[(\d+):(\d+)\]$")
 
 
 def keep_words(option: str, sub_stages: Sequence[str] = ()) -> str:
-    """A keep option (or a scan scheme) in words."""
-    if option.startswith("scan:"):
+    """A keep option (or a scan scheme) in words; a name that is no option, as it is."""
+    try:
+        kind = parse_option(option)
+    except ValueError:
+        return option
+    if isinstance(kind, ScanOption):
         return scan_words(option, sub_stages)
     return KEEP_WORDS.get(option, option)
 
@@ -254,7 +259,7 @@ def segment_rows(plan: Plan, analysis=None) -> list[Row]:
                     flops = _run(chain, s.children, 0, inside_region=True)[1]
             else:
                 keeps = keep_words(s.option, subs)
-                if s.saved and s.option not in (STORE, NOTHING):
+                if s.saved and s.kind not in (Store(), KeepRule(NOTHING)):
                     keeps += f" ({len(s.saved)} tensor{'s' if len(s.saved) > 1 else ''})"
                 if chain is not None:
                     option = chain.leaf_profile(s.start, s.stop).option(s.option)

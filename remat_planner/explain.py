@@ -14,8 +14,8 @@ import numpy as np
 from .describe import stage_label
 from .memory import (_run, differentiated, make_segment_fn, residuals, stage_io, timeline,
                      varying_values)
-from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Plan, Segment,
-                   is_scan_option)
+from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, KeepRule, Plan,
+                   ScanOption, Segment, Store)
 from .planner import Analysis
 from .scan import describe as describe_scan
 from .units import DEFAULT_UNITS
@@ -139,15 +139,16 @@ def _explain_segment(an: Analysis, plan: Plan, seg: Segment, defining,
         option = chain.leaf_profile(seg.start, seg.stop).option(seg.option)
         cost = option.recompute_flops
         modelled = option.keep_bytes
-        if seg.option == STORE:
-            kept = _store_residuals(program, plan, seg, defining)
-        elif is_scan_option(seg.option):  # per-iteration values, stacked by the scan
-            kept = _inputs(program, plan, seg, defining) + [
-                KeptTensor(f"stacked by the scan ({seg.option})", modules[0], "scan", (), "",
-                           int(modelled))]
-        else:
-            kept = _inputs(program, plan, seg, defining) + [
-                _tensor(program, defining, v, "named value") for v in seg.saved]
+        match seg.kind:
+            case Store():
+                kept = _store_residuals(program, plan, seg, defining)
+            case ScanOption():  # per-iteration values, stacked by the scan
+                kept = _inputs(program, plan, seg, defining) + [
+                    KeptTensor(f"stacked by the scan ({seg.option})", modules[0], "scan", (),
+                               "", int(modelled))]
+            case _:  # a checkpoint keeping its inputs and the values it names
+                kept = _inputs(program, plan, seg, defining) + [
+                    _tensor(program, defining, v, "named value") for v in seg.saved]
         kept = _once(kept, listed)
     return SegmentExplanation(seg.start, seg.stop, modules, seg.option, tuple(kept),
                               sum(t.nbytes for t in kept), int(modelled), float(cost), children)
@@ -194,17 +195,22 @@ def flax_names(an: Analysis, plan: Plan) -> list[dict]:
 
     def entry(seg: Segment) -> dict:
         modules = [plan.stages[i].name for i in range(seg.start, seg.stop)]
-        if seg.option == STORE:
-            return {"modules": modules, "remat": False}
-        if is_scan_option(seg.option):
-            return {"modules": modules, "remat": True, "scan_scheme": seg.option,
-                    "how": describe_scan(seg.option)}
+        match seg.kind:
+            case Store():
+                return {"modules": modules, "remat": False}
+            case ScanOption():
+                return {"modules": modules, "remat": True, "scan_scheme": seg.option,
+                        "how": describe_scan(seg.option)}
+            case KeepRule(rule=rule):
+                policy = _POLICY[rule]
+            case kind:
+                raise NotImplementedError(f"flax_names: no hand-written form of {kind!r}")
         tags = []
         for k, v in enumerate(seg.saved):
             t = _tensor(an.program, defining, v, "named value")
             tags.append({"name": f"{t.module or 'value'}/{t.primitive}_{k}", "module": t.module,
                          "primitive": t.primitive, "shape": list(t.shape), "dtype": t.dtype})
-        d = {"modules": modules, "remat": True, "policy": _POLICY[seg.option],
+        d = {"modules": modules, "remat": True, "policy": policy,
              "checkpoint_names": tags,
              "exact_policy": ("jax.checkpoint_policies.save_only_these_names("
                               + ", ".join(repr(t["name"]) for t in tags) + ")")}

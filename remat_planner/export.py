@@ -39,7 +39,8 @@ from .budget import parse_budget
 from .errors import (InfeasibleBudgetError, PlanMismatchError, RematPlannerError,
                      UnsupportedModelError)
 from .memory import _dot_outputs, simulate
-from .plan import DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Plan, Segment
+from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, KeepRule, Plan,
+                   ScanOption, Segment, Store, parse_option)
 from .solve import Solution
 from .trace import Literal, Program
 from .verify import as_batch
@@ -348,11 +349,11 @@ def export_flax(plan: Plan, program: Program, classes: dict[str, str] | None = N
     def convert(segments: Sequence[Segment], inside: str | None) -> list[Wrap]:
         wraps = []
         for seg in segments:
-            if seg.option == STORE:
+            if isinstance(seg.kind, Store):
                 continue
             where = f"stages {seg.start}-{seg.stop - 1} ({stage_names(seg)}, {seg.option})"
             lo, hi = plan.stages[seg.start].start, plan.stages[seg.stop - 1].stop
-            if seg.option.startswith("scan:"):
+            if isinstance(seg.kind, ScanOption):
                 problems.append(f"{where}: a layer-stack scan scheme; write it with nn.scan "
                                 "as `explain` describes, or use plan.apply")
                 continue
@@ -443,7 +444,8 @@ def module_units(an, program: Program | None = None) -> list[tuple[int, int, str
     for a, c, profile in an.chain.spans:
         path = _aligned_module(spans, stages[a].start, stages[c - 1].stop)
         if path is not None:
-            units.append((a, c, path, tuple(o.name for o in profile.options if o.name != STORE)))
+            units.append((a, c, path, tuple(o.name for o in profile.options
+                                              if isinstance(parse_option(o.name), KeepRule))))
             covered.update(range(a, c))
     for i, st in enumerate(stages):
         if i in covered:
@@ -451,7 +453,7 @@ def module_units(an, program: Program | None = None) -> list[tuple[int, int, str
         path = _aligned_module(spans, st.start, st.stop)
         if path is not None:
             names = tuple(o.name for o in an.chain.stages[i].options
-                          if o.name not in (STORE,) and not o.name.startswith("scan:"))
+                          if isinstance(parse_option(o.name), KeepRule))
             if names:
                 units.append((i, i + 1, path, names))
     return sorted(units)

@@ -4,140 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import functools
 import json
-import math
-import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 from .errors import PlanMismatchError
+# The plan space (keep-option names, the scan-scheme grammar, the typed option kinds) lives
+# in options.py; re-exported here, where the rest of the package has always found it.
+from .options import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, KEEP_RULES, NOTHING,  # noqa: F401
+                      SCAN_PREFIX, STORE, KeepRule, Option, ScanOption, ScanPart, ScanScheme,
+                      Store, is_scan_option, layer_policies, mixed_name, option_kinds,
+                      parse_option, validate_option)
 from .sharding import ShardingSpec
 
 PLAN_FORMAT_VERSION = 1
-
-STORE = "store"            # no checkpoint: the backward keeps every residual it needs
-NOTHING = "nothing"        # checkpoint keeping only the segment's inputs
-DOTS_NO_BATCH = "dots_no_batch"  # ... plus outputs of dot_general without batch dims
-DOTS = "dots"              # ... plus outputs of every dot_general and convolution
-# ... plus outputs of dot_general without batch dims and of batched dot_generals whose
-# output is no larger than an operand: attention's probabilities @ values, not its scores
-DOTS_NARROW = "dots_narrow"
-KEEP_RULES = (NOTHING, DOTS_NO_BATCH, DOTS_NARROW, DOTS)  # checkpoint options, frugal first
-
-
-SCAN_PREFIX = "scan:"
-_PART = re.compile(r"^(\d+)x([a-z_|()\[\];*0-9]+?)((?:/\d+)*)$")
-
-
-# ---------------------------------------------------------------------------------------
-# Scan schemes: the keep options of a layer-stack scan stage (their cost is scan.py's,
-# their replay apply.py's)
-# ---------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class ScanPart:
-    """`count` consecutive iterations run with one per-iteration policy.
-
-    groups: () for a flat scan (every iteration keeps its residuals under `policy`);
-    (k,) for an outer scan over count/k checkpointed groups of k iterations each (only
-    the group inputs are kept; a group is recomputed in the backward pass); (k1, k2)
-    for groups of k1 sub-groups of k2 iterations, and so on.
-    """
-
-    count: int
-    policy: str
-    groups: tuple[int, ...] = ()
-
-    @property
-    def layers_per_iteration(self) -> int:
-        return len(layer_policies(self.policy))
-
-    @property
-    def iterations(self) -> int:
-        return self.count // self.layers_per_iteration
-
-    @property
-    def n_groups(self) -> int:
-        return self.iterations // math.prod(self.groups)
-
-    def spans(self) -> list[int]:
-        """Iterations covered by one item of each checkpointed level, outermost first."""
-        return [math.prod(self.groups[j:]) for j in range(len(self.groups))]
-
-    def label(self) -> str:
-        return f"{self.count}x{self.policy}" + "".join(f"/{k}" for k in self.groups)
-
-
-@dataclasses.dataclass(frozen=True)
-class ScanScheme:
-    """A layer stack run as consecutive scans (parts), in forward order."""
-
-    parts: tuple[ScanPart, ...]
-
-    @property
-    def option(self) -> str:
-        """The keep-option name of this scheme; a plain scan is `store`."""
-        if len(self.parts) == 1 and self.parts[0] == ScanPart(self.parts[0].count, STORE):
-            return STORE
-        return SCAN_PREFIX + "+".join(p.label() for p in self.parts)
-
-    @classmethod
-    def parse(cls, option: str) -> "ScanScheme":
-        """The scheme named `option`; ValueError if it is not a scan scheme name."""
-        if not is_scan_option(option):
-            raise ValueError(f"not a scan scheme: {option!r}")
-        parts = []
-        for text in option[len(SCAN_PREFIX):].split("+"):
-            m = _PART.match(text)
-            if m is None:
-                raise ValueError(f"bad scan scheme part {text!r} in {option!r}")
-            groups = tuple(int(k) for k in m.group(3).split("/")[1:])
-            part = ScanPart(int(m.group(1)), m.group(2), groups)
-            g = part.layers_per_iteration  # raises ValueError if malformed
-            if part.count < 1 or any(k < 2 for k in groups) or part.count % (g * math.prod(groups)):
-                raise ValueError(f"scan scheme part {text!r}: groups must be >= 2 and, times the "
-                                 "layers per iteration, divide the count")
-            parts.append(part)
-        return cls(tuple(parts))
-
-    @property
-    def length(self) -> int:
-        return sum(p.count for p in self.parts)
-
-
-def layer_policies(policy: str) -> list[str]:
-    """The per-layer plans of one iteration: `a;2*b` runs three layers per iteration of
-    the rebuilt scan (plans a, b, b), so layers can mix plans without splitting the stack
-    (the stacked parameters are reshaped, which is free, not sliced, which copies; each
-    layer's slice is taken inside its checkpoints, see part_cost)."""
-    names = []
-    for item in policy.split(";"):
-        count, star, name = item.partition("*")
-        if not star:
-            count, name = "1", item
-        if not count.isdigit() or int(count) < 1 or not name or "*" in name:
-            raise ValueError(f"bad per-iteration plan {policy!r}")
-        names += [name] * int(count)
-    return names
-
-
-def mixed_name(names: Sequence[str]) -> str:
-    """Inverse of layer_policies: runs of equal plans written `k*plan`, joined by `;`."""
-    runs: list[list] = []
-    for name in names:
-        if runs and runs[-1][1] == name:
-            runs[-1][0] += 1
-        else:
-            runs.append([1, name])
-    return ";".join(name if k == 1 else f"{k}*{name}" for k, name in runs)
-
-
-def is_scan_option(option: str) -> bool:
-    return option.startswith(SCAN_PREFIX)
-
-
-def validate_option(option: str) -> None:
-    """Raise ValueError if `option` is a malformed scan scheme name."""
-    ScanScheme.parse(option)
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +27,10 @@ class Segment:
     `jax.checkpoint` region whose policy keeps the values named in `saved` (program value
     ids, tagged with `checkpoint_name`); a region over several stages keeps only its
     inputs and contains `children`, which are segments again (nested checkpoints).
+
+    `option` is the keep option's name, as plan files write it (an `Option` given here is
+    stored by its name); `kind` is the typed option (options.py), parsed once, on first
+    use: code dispatches on its class, never on the string.
     """
 
     start: int
@@ -156,9 +39,21 @@ class Segment:
     saved: tuple[int, ...] = ()
     children: tuple["Segment", ...] = ()
 
+    def __post_init__(self):
+        if isinstance(self.option, Option):
+            kind = self.option
+            object.__setattr__(self, "option", kind.name)
+            self.__dict__["kind"] = kind  # the cached_property's slot
+
+    @functools.cached_property
+    def kind(self) -> Option:
+        """The typed keep option (Store, KeepRule, ScanOption, ...); ValueError if
+        `option` names none (parse_option)."""
+        return parse_option(self.option)
+
     @property
     def is_checkpoint(self) -> bool:
-        return self.option != STORE
+        return self.kind.checkpoints
 
     def to_dict(self) -> dict:
         d: dict[str, Any] = {"start": self.start, "stop": self.stop, "option": self.option}
@@ -359,14 +254,9 @@ def validate_segments(segments, n_stages: int, start: int = 0) -> None:
     for s in segments:
         if s.start != pos or s.stop <= s.start:
             raise ValueError(f"segment [{s.start}, {s.stop}) does not continue at stage {pos}")
-        if is_scan_option(s.option):  # a scan scheme: one layer-stack stage, a leaf
-            validate_option(s.option)
-            if s.stop - s.start != 1 or s.children:
-                raise ValueError("a scan scheme segment is exactly one stage without children")
-        elif s.option != STORE and s.option not in KEEP_RULES:
-            raise ValueError(f"unknown keep option {s.option!r}")
-        if s.option == STORE and (s.stop - s.start != 1 or s.children):
-            raise ValueError("a store segment is exactly one stage without children")
+        # the option's kind says which segments it can run (store and scan schemes: one
+        # stage, a leaf); an unknown or malformed name raises parse_option's ValueError
+        s.kind.check_segment(s.start, s.stop, s.children)
         if s.children:
             validate_segments(s.children, s.stop, s.start)
         pos = s.stop

@@ -31,8 +31,8 @@ from .memory import (ChainModel, FixedMemory, StageProfile, fixed_memory, per_pa
 from .sharding import (ShardingSpec, collective_outputs, gathered_params, unpaired_kernels,
                        with_unpaired)
 from .sharding import resolve as resolve_sharding
-from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, SCAN_PREFIX, STORE, Plan, Segment,
-                   StageInfo, is_scan_option)
+from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, SCAN_PREFIX, STORE, Plan,
+                   ScanOption, Segment, StageInfo, is_scan_option)
 from .solve import ChainSolver, Solution
 from .trace import Program, trace
 from .verify import Measurement, abstract, as_batch, make_step, measure
@@ -213,7 +213,7 @@ def _scan_options(segments) -> list[str]:
     """Scan scheme names used anywhere in a segment tree."""
     out = []
     for s in segments:
-        if is_scan_option(s.option):
+        if isinstance(s.kind, ScanOption):
             out.append(s.option)
         out.extend(_scan_options(s.children))
     return out

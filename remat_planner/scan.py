@@ -48,8 +48,8 @@ from .graph import (CostGraph, Stage, _stage_name, build_graph, crossing_bytes, 
 from .memory import (ChainModel, KeepOption, StageProfile, cut_overlap, profile_stages,
                      region_inputs, scale_chain, segment_keep, simulate, stage_io,
                      weighted_chain)
-from .plan import (NOTHING, STORE, ScanPart, ScanScheme, Segment, StageInfo, layer_policies,
-                   mixed_name)
+from .plan import (NOTHING, STORE, ScanPart, ScanScheme, Segment, StageInfo, Store,
+                   layer_policies, mixed_name)
 from .solve import enumerate_plans
 from .trace import Eqn, Program, _Flattener, nbytes
 
@@ -368,7 +368,7 @@ def _useful(plans: Sequence[IterationPlan]) -> list[IterationPlan]:
     points = np.array([[p.keep_bytes, p.peak_bytes, p.recompute_flops] for p in plans], dtype=float)
     chosen = set(_pareto(points[:, 0], points[:, 1], points[:, 2]))
     return [p for i, p in enumerate(plans)
-            if i in chosen or all(s.option == STORE for s in p.segments)]
+            if i in chosen or all(isinstance(s.kind, Store) for s in p.segments)]
 
 
 # ---------------------------------------------------------------------------------------
