@@ -25,7 +25,7 @@ from .graph import definitions, find_blocks, last_uses
 from .memory import ChainModel, make_segment_fn, stage_io, value_name
 from .plan import KeepRule, Plan, ScanOption, ScanScheme, Segment, Store, layer_policies
 from .scan import Body, body_chain, layer_body, parse_plan, whole_body_chain
-from .sharding import (ShardingSpec, carry_constraint, gathered_params, program_param_specs,
+from .sharding import (carry_constraint, gathered_params, program_param_specs,
                        scan_body_shardings)
 from .trace import Literal, Program, eval_range, trace
 
@@ -55,9 +55,9 @@ def apply_plan(plan: Plan, loss_fn: Callable, has_aux: bool | None = None) -> Ca
     """
     programs: dict = {}
     if has_aux is None:
-        has_aux = bool(plan.metadata.get("has_aux", False))
+        has_aux = plan.has_aux
     # A plan that stores every stage of an unsharded step is the step without remat.
-    stores_all = (not plan.metadata.get("sharding")
+    stores_all = (plan.sharding is None
                   and all(not s.is_checkpoint for s in plan.segments))
 
     def planned_loss(params, *batch):
@@ -71,7 +71,7 @@ def apply_plan(plan: Plan, loss_fn: Callable, has_aux: bool | None = None) -> Ca
         if stores_all:  # nothing to checkpoint: the loss as written, the same XLA program
             return loss_fn(params, *batch)
         env = program.bind(leaves)
-        pinned = frozenset(plan.metadata.get("pinned", ()))
+        pinned = frozenset(plan.pinned)
         run_segments(program, plan, plan.segments, env, last, defs, pinned,
                      _gathers(plan, program, params),
                      scan_sharding=_scan_sharding(plan, program, params))
@@ -84,12 +84,11 @@ def apply_plan(plan: Plan, loss_fn: Callable, has_aux: bool | None = None) -> Ca
 
 def _gathers(plan: Plan, program: Program, params) -> dict:
     """Under fsdp: parameter value id -> NamedSharding of the all-gathered weight."""
-    meta = plan.metadata.get("sharding")
-    if not meta:
+    spec = plan.sharding
+    if spec is None:
         return {}
     from jax.sharding import NamedSharding
 
-    spec = ShardingSpec.from_dict(meta)
     gathered = gathered_params(program, params, spec)
     if not gathered:
         return {}
@@ -101,10 +100,9 @@ def _scan_sharding(plan: Plan, program: Program, params):
     """Under fsdp or tp: (the ShardingSpec, parameter value id -> its PartitionSpec), what a
     layer-stack scan needs to gather its weight slices and keep its collective outputs
     (run_scheme); None otherwise."""
-    meta = plan.metadata.get("sharding")
-    if not meta or meta["scheme"] == "dp":
+    spec = plan.sharding
+    if spec is None or spec.scheme == "dp":
         return None
-    spec = ShardingSpec.from_dict(meta)
     return spec, program_param_specs(program, params, spec)
 
 
@@ -121,7 +119,7 @@ def check_matches(plan: Plan, program: Program, params, batch) -> None:
                 f"{len(program.eqns)}; re-plan for these inputs")
         return
     here = _by_key(input_signature(params, batch, program))
-    there = _by_key(plan.metadata.get("signature", []))
+    there = _by_key(plan.signature)
     diffs = [f"{key}: {here[key]} (plan: {there[key]})" for key in here
              if key in there and here[key] != there[key]]
     what = "; ".join(diffs) if diffs else "the traced equations differ (model code changed)"

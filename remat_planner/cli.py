@@ -325,7 +325,7 @@ def _saved_plan(path: str, wl, spec):
         plan = Plan.from_json(text)
     except PlanMismatchError as e:
         raise PlanMismatchError(f"--plan {path}: {e}") from None
-    theirs = plan.metadata.get("sharding")
+    theirs = plan.sharding.to_dict() if plan.sharding is not None else None
     ours = spec.to_dict() if spec is not None else None
     if (theirs is None) != (ours is None) or (ours is not None and (
             theirs.get("scheme"), theirs.get("mesh")) != (ours.get("scheme"), ours.get("mesh"))):

@@ -7,7 +7,7 @@ import hashlib
 import functools
 import json
 from typing import Any, Callable
-from .errors import PlanMismatchError
+from .errors import ConfigError, PlanMismatchError
 # The plan space (keep-option names, the scan-scheme grammar, the typed option kinds) lives
 # in options.py; re-exported here, where the rest of the package has always found it.
 from .options import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, KEEP_RULES, NOTHING,  # noqa: F401
@@ -16,7 +16,12 @@ from .options import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, KEEP_RULES, NOTHING,  # 
                       parse_option, validate_option)
 from .sharding import ShardingSpec
 
-PLAN_FORMAT_VERSION = 1
+# Version 2 writes the step's typed fields (signature, has_aux, sharding, pinned) at top
+# level; version 1 kept them in "metadata", and is still read (Plan.from_json).
+PLAN_FORMAT_VERSION = 2
+_READ_VERSIONS = (1, 2)
+# The keys version 1 kept in "metadata" that are Plan fields since version 2.
+_V1_STEP_KEYS = ("signature", "has_aux", "sharding", "pinned")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +101,20 @@ class Plan:
       recompute_flops: extra FLOPs the plan spends recomputing, by the cost model.
       fixed_bytes: params + grads + optimizer state + batch.
       step_flops: FLOPs of the unplanned step (forward + backward), by the cost model.
+
+    What the replay and the checks rely on of the step the plan was made for:
+      signature: `key: value` lines naming its inputs (apply.input_signature), for the
+        message of a plan applied to another computation (apply.check_matches).
+      has_aux: loss_fn returns `(loss, aux)`; `apply` replays it so by default.
+      sharding: the sharding.ShardingSpec the plan was made for (with the kernels tp keeps
+        replicated), or None for one device: pass it to `shard_arrays` to place arrays as
+        the step takes them.
+      pinned: value ids every checkpoint keeps in a sharded step (the outputs of
+        collectives, which recomputing would repeat); sorted.
+
+    `metadata` is informational only, left out of equality: labels for display and
+    extras measured or predicted on the way (units, compiles, verify_rounds,
+    communication, cost_model, ...). Nothing the replay needs is read from it.
     """
 
     segments: tuple[Segment, ...]
@@ -108,7 +127,20 @@ class Plan:
     step_flops: float
     measured_peak_bytes: int | None = None
     measured_flops: float | None = None
+    signature: tuple[str, ...] = ()
+    has_aux: bool = False
+    sharding: ShardingSpec | None = None
+    pinned: tuple[int, ...] = ()
     metadata: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        # lists and sets as tuples, so a plan stays hashable and compares by content
+        object.__setattr__(self, "signature", tuple(str(line) for line in self.signature))
+        object.__setattr__(self, "pinned", tuple(sorted(int(v) for v in self.pinned)))
+        object.__setattr__(self, "has_aux", bool(self.has_aux))
+        if self.sharding is not None and not isinstance(self.sharding, ShardingSpec):
+            raise TypeError(f"Plan.sharding is a ShardingSpec or None, not "
+                            f"{type(self.sharding).__name__}")
 
     # -- use ----------------------------------------------------------------------------
 
@@ -153,16 +185,6 @@ class Plan:
         return self.recompute_flops / self.step_flops if self.step_flops else 0.0
 
     @property
-    def sharding(self):
-        """The sharding.ShardingSpec the plan was made for (with the kernels tp keeps
-        replicated), or None: pass it to `shard_arrays` to place arrays as the step takes
-        them."""
-        d = self.metadata.get("sharding")
-        if not d:
-            return None
-        return ShardingSpec.from_dict(d)
-
-    @property
     def recompute_time_overhead(self) -> float | None:
         """Predicted recompute time as a fraction of the unplanned step's predicted time
         (the roofline model of costmodel.CostModel), or None for a plan made without it."""
@@ -189,6 +211,10 @@ class Plan:
             "step_flops": self.step_flops,
             "stages": [[s.start, s.stop, s.name] for s in self.stages],
             "segments": [s.to_dict() for s in self.segments],
+            "signature": list(self.signature),
+            "has_aux": self.has_aux,
+            "sharding": None if self.sharding is None else self.sharding.to_dict(),
+            "pinned": list(self.pinned),
             "metadata": self.metadata,
         }
 
@@ -199,14 +225,15 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        """Load a plan written by `to_json`; a damaged file raises PlanMismatchError."""
+        """Load a plan written by `to_json` (this version or version 1); a damaged file,
+        or one of another format version, raises PlanMismatchError."""
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise PlanMismatchError(f"plan file is not valid JSON ({e.msg} at line {e.lineno}); "
                                     "re-run remat-plan --out to write it again") from None
         try:
-            if d.get("format") != "remat-planner/plan" or d.get("version") != PLAN_FORMAT_VERSION:
+            if d.get("format") != "remat-planner/plan" or d.get("version") not in _READ_VERSIONS:
                 raise ValueError(f"format {d.get('format')!r} version {d.get('version')!r}")
             checksum = d.pop("checksum", None)
             if checksum != _checksum(d):
@@ -214,21 +241,40 @@ class Plan:
                     "plan file was changed after it was written (checksum "
                     f"{'missing' if checksum is None else 'mismatch'}); plans are not edited by "
                     "hand: re-run remat-plan --out to write it again")
+            metadata = dict(d.get("metadata", {}))
+            if d["version"] == 1:  # the step's fields were metadata entries
+                step = {k: metadata.pop(k) for k in _V1_STEP_KEYS if k in metadata}
+            else:
+                step = {k: d[k] for k in _V1_STEP_KEYS}
             stages = tuple(StageInfo(int(a), int(b), str(n)) for a, b, n in d["stages"])
             segments = tuple(Segment.from_dict(s) for s in d["segments"])
-            plan = cls(segments, stages, str(d["fingerprint"]), int(d["budget_bytes"]),
-                       int(d["predicted_peak_bytes"]), float(d["recompute_flops"]),
-                       int(d["fixed_bytes"]), float(d["step_flops"]),
-                       None if d.get("measured_peak_bytes") is None else int(d["measured_peak_bytes"]),
-                       None if d.get("measured_flops") is None else float(d["measured_flops"]),
-                       dict(d.get("metadata", {})))
+            plan = cls(
+                segments, stages, str(d["fingerprint"]), int(d["budget_bytes"]),
+                int(d["predicted_peak_bytes"]), float(d["recompute_flops"]),
+                int(d["fixed_bytes"]), float(d["step_flops"]),
+                measured_peak_bytes=(None if d.get("measured_peak_bytes") is None
+                                     else int(d["measured_peak_bytes"])),
+                measured_flops=(None if d.get("measured_flops") is None
+                                else float(d["measured_flops"])),
+                signature=tuple(step.get("signature", ())),
+                has_aux=_bool(step.get("has_aux", False)),
+                sharding=(ShardingSpec.from_dict(step["sharding"]) if step.get("sharding")
+                          else None),
+                pinned=tuple(step.get("pinned", ())),
+                metadata=metadata)
             validate_stages(plan.stages)
             validate_segments(plan.segments, len(plan.stages))
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as e:
             what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             raise PlanMismatchError(f"plan file is damaged or not a remat-planner plan ({what}); "
                                     "re-run remat-plan --out to write it again") from None
         return plan
+
+
+def _bool(value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"has_aux is {value!r}, not true or false")
+    return value
 
 
 def _checksum(d: dict) -> str:

@@ -941,11 +941,11 @@ def _plan_from_segments(an: Analysis, segments, budget_bytes: int, predicted: in
         recompute_flops=float(recompute_flops),
         fixed_bytes=int(an.fixed.total),
         step_flops=float(an.step_flops),
-        metadata={"signature": input_signature(params, batch, an.program),
-                  "jax_version": jax.__version__,
-                  **({"has_aux": True} if an.program.has_aux else {}),
-                  **({"sharding": an.sharding.to_dict(), "pinned": sorted(an.pinned)}
-                     if an.sharding is not None else {})},
+        signature=tuple(input_signature(params, batch, an.program)),
+        has_aux=an.program.has_aux,
+        sharding=an.sharding,
+        pinned=tuple(sorted(an.pinned)),
+        metadata={"jax_version": jax.__version__},
     )
 
 

@@ -96,7 +96,7 @@ class ShardingSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ShardingSpec":
-        """The inverse of to_dict (a plan's metadata["sharding"])."""
+        """The inverse of to_dict (a plan file's "sharding")."""
         return dataclasses.replace(cls.make(d["mesh"], d["scheme"]),
                                    replicated=tuple(d.get("replicated", ())))
 

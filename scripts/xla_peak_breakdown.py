@@ -97,7 +97,7 @@ def main() -> None:
                       fingerprint=an.program.fingerprint(), budget_bytes=0,
                       predicted_peak_bytes=0, recompute_flops=0.0, fixed_bytes=an.fixed.total,
                       step_flops=an.step_flops,
-                      metadata={"has_aux": True} if m.has_aux else {}).apply(m.loss_fn)
+                      has_aux=m.has_aux).apply(m.loss_fn)
     step = make_step(planned, m.optimizer, m.has_aux)
     params, batch = abstract(m.params), abstract(as_batch(m.batch))
     opt_state = jax.eval_shape(m.optimizer.init, params)

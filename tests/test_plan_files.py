@@ -177,6 +177,10 @@ EDITS = {
     "segments-not-a-list": (_set(["segments"], 7), True, "damaged"),
     "missing-field": (lambda d: d.pop("fingerprint"), True, "missing field 'fingerprint'"),
     "wrong-version": (_set(["version"], 99), False, "version 99"),
+    "has-aux-not-a-bool": (_set(["has_aux"], "yes"), True, "has_aux is 'yes'"),
+    "unknown-sharding-scheme": (_set(["sharding"], {"mesh": "data=8", "scheme": "zero"}), True,
+                                "unknown sharding scheme 'zero'"),
+    "pinned-not-numbers": (_set(["pinned"], ["x"]), True, "damaged"),
     "wrong-format": (_set(["format"], "something/else"), False, "something/else"),
 }
 
@@ -208,3 +212,73 @@ def test_hand_made_plan_with_wrong_stages_is_refused_on_apply(saved):
     with pytest.raises(rp.PlanMismatchError) as info:
         _apply_abstract(short, wl)
     assert "equations" in _assert_refused(info)
+
+
+# ------------------------------------------------------------------------------------------
+# The step's typed fields (signature, has_aux, sharding, pinned): in JSON at top level
+# (format version 2); a version-1 file, which kept them in "metadata", still loads
+# ------------------------------------------------------------------------------------------
+
+V1_FILE = ROOT / "tests" / "data" / "plan-v1.json"
+
+
+def test_typed_fields_survive_a_json_round_trip(saved):
+    _, _, plan, text = saved
+    assert plan.signature and plan.signature[0].startswith("params: ")
+    assert plan.has_aux is False and plan.sharding is None and plan.pinned == ()
+    d = json.loads(text)
+    assert d["version"] == 2 and d["signature"] == list(plan.signature)
+    assert not set(d["metadata"]) & {"signature", "has_aux", "sharding", "pinned"}
+
+    spec = dataclasses.replace(rp.ShardingSpec.make("data=4,model=2", "fsdp+tp"),
+                               replicated=("params/lm_head/kernel",))
+    typed = dataclasses.replace(plan, has_aux=True, sharding=spec, pinned=[30, 7, 12])
+    assert typed.pinned == (7, 12, 30)  # sorted, a tuple
+    loaded = rp.Plan.from_json(typed.to_json())
+    assert loaded == typed and loaded.to_json() == typed.to_json()
+    assert (loaded.signature, loaded.has_aux, loaded.sharding, loaded.pinned) == (
+        plan.signature, True, spec, (7, 12, 30))
+    assert json.loads(typed.to_json())["sharding"] == {
+        "mesh": "data=4,model=2", "scheme": "fsdp+tp", "replicated": ["params/lm_head/kernel"]}
+    # part of equality, unlike metadata
+    assert dataclasses.replace(plan, has_aux=True) != plan
+    assert dataclasses.replace(plan, pinned=(1,)) != plan
+    assert dataclasses.replace(plan, metadata={"units": "binary"}) == plan
+
+
+def test_version_1_file_loads_into_the_typed_fields():
+    """tests/data/plan-v1.json: written by the version-1 code (tests/plan_v1_model.py), an
+    fsdp+tp plan of a step with aux whose tp all-reduces are pinned."""
+    import plan_v1_model as model
+
+    text = V1_FILE.read_text()
+    assert json.loads(text)["version"] == 1 and "has_aux" in json.loads(text)["metadata"]
+    plan = rp.Plan.from_json(text)
+    assert plan.has_aux is True
+    assert plan.sharding == rp.ShardingSpec.make(model.MESH, model.SCHEME)
+    assert plan.pinned == (13, 17, 21, 25, 30)
+    assert plan.signature == ("params: 66048 values (float32)", "batch[0]: float32[16, 64]",
+                              "batch[1]: float32[16, 8]", "compute dtypes: float32",
+                              "equations: 23")
+    assert not set(plan.metadata) & {"signature", "has_aux", "sharding", "pinned"}
+    assert plan.metadata["units"] == "decimal"
+    # written again, it is a version-2 file of the same plan
+    again = plan.to_json()
+    assert json.loads(again)["version"] == 2 and rp.Plan.from_json(again) == plan
+    # the version-1 checksum still guards the file
+    edited = json.loads(text)
+    edited["metadata"]["pinned"] = [13]
+    with pytest.raises(rp.PlanMismatchError, match="checksum mismatch"):
+        rp.Plan.from_json(json.dumps(edited))
+
+    params, batch = model.abstract_inputs()
+    if jax.__version__ == plan.metadata["jax_version"]:  # the same trace, the same fingerprint
+        # has_aux from the file: the planned loss returns (loss, aux)
+        loss, aux = jax.eval_shape(plan.apply(model.loss_fn), params, *batch)
+        assert loss.shape == () and set(aux) == {"mean_h"}
+    # the signature from the file names what differs
+    other = (jax.ShapeDtypeStruct((8, model.WIDTH), batch[0].dtype),
+             jax.ShapeDtypeStruct((8, 8), batch[1].dtype))
+    with pytest.raises(rp.PlanMismatchError) as info:
+        jax.eval_shape(plan.apply(model.loss_fn), params, *other)
+    assert "batch[0]: float32[8, 64] (plan: float32[16, 64])" in _assert_refused(info)

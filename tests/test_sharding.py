@@ -78,7 +78,7 @@ def test_plans_fit_per_device_budget_and_gradients_are_exact(workload, analysis,
         p = rp.plan(wl.loss_fn, wl.abstract_params, wl.abstract_batch, budget, opt, analysis=an,
                     max_rounds=2)
         assert p.measured_peak_bytes <= budget, (scheme, frac, p.measured_peak_bytes, budget)
-        assert p.metadata["sharding"] == {"mesh": SCHEMES[scheme], "scheme": scheme}
+        assert p.sharding.to_dict() == {"mesh": SCHEMES[scheme], "scheme": scheme}
         plans.append(p)
     # the tighter budget really needed remat
     assert plans[-1].measured_peak_bytes < noremat and plans[-1].recompute_flops > 0
