@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import remat_planner as rp
+import tiny_mlp
 from remat_planner.apply import apply_plan, block_ranges, nested_scan
 from remat_planner.baselines import POLICIES, builtin_loss
 from remat_planner.config import build_workload, load_config
@@ -21,19 +22,12 @@ from remat_planner.memory import value_name
 from remat_planner.plan import DOTS_NO_BATCH, NOTHING, STORE, Segment
 from remat_planner.trace import trace
 
-f32 = jnp.float32
 DEPTH, WIDTH, ROWS = 4, 32, 16
 CHECKPOINT = {"checkpoint", "remat", "remat2"}  # jax.checkpoint's primitive, by JAX version
 
 
-def _loss(params, x):
-    for w in params:
-        x = jnp.tanh(x @ w)
-    return jnp.mean(x ** 2)
-
-
-PARAMS = [jax.ShapeDtypeStruct((WIDTH, WIDTH), f32)] * DEPTH
-BATCH = (jax.ShapeDtypeStruct((ROWS, WIDTH), f32),)
+_loss = tiny_mlp.loss
+PARAMS, BATCH = tiny_mlp.abstract(DEPTH, WIDTH, ROWS)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
+import tiny_mlp
 from remat_planner.graph import build_cost_graph
 from remat_planner.memory import (compiler_options, fixed_memory, measure_compiler_options,
                                   per_parameter_update, profile_stages, simulate, timeline,
@@ -25,14 +26,8 @@ ACT = ROWS * WIDTH * 4                        # one activation: 2,048 bytes
 LAYER_FLOPS = 2 * ROWS * WIDTH * WIDTH + ROWS * WIDTH  # the matmul and the tanh: 33,280
 
 
-def _mlp_loss(params, x):
-    for w in params:
-        x = jnp.tanh(x @ w)
-    return jnp.mean(x ** 2)
-
-
-MLP_PARAMS = [jax.ShapeDtypeStruct((WIDTH, WIDTH), f32)] * DEPTH
-MLP_BATCH = (jax.ShapeDtypeStruct((ROWS, WIDTH), f32),)
+_mlp_loss = tiny_mlp.loss
+MLP_PARAMS, MLP_BATCH = tiny_mlp.abstract(DEPTH, WIDTH, ROWS)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import remat_planner as rp
+import tiny_mlp
 from remat_planner.memory import compiler_options, tree_bytes
 from remat_planner.verify import make_step, measure, step_digest, train_step
 
@@ -19,20 +20,9 @@ DEPTH, WIDTH, ROWS = 3, 64, 32
 AUX = (ROWS, WIDTH)
 
 
-def _loss(params, x):
-    for w in params:
-        x = jnp.tanh(x @ w)
-    return jnp.mean(x ** 2)
-
-
-def _loss_aux(params, x):
-    for w in params:
-        x = jnp.tanh(x @ w)
-    return jnp.mean(x ** 2), x  # the last activation as aux: ROWS x WIDTH f32
-
-
-PARAMS = [jax.ShapeDtypeStruct((WIDTH, WIDTH), f32)] * DEPTH
-BATCH = (jax.ShapeDtypeStruct((ROWS, WIDTH), f32),)
+_loss = tiny_mlp.loss
+_loss_aux = tiny_mlp.loss_with_aux  # the last activation as aux: ROWS x WIDTH f32
+PARAMS, BATCH = tiny_mlp.abstract(DEPTH, WIDTH, ROWS)
 OPT = optax.adam(1e-3)
 
 
