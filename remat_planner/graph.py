@@ -390,10 +390,9 @@ def find_blocks(program: Program, flops=None, crossing=None) -> tuple[BlockGroup
     # projection block are alike up to shapes, but cutting there took the cuts the
     # projection block had (the corpus CNN at dots_saveable's peak: 2.87% against
     # -0.10%).
-    spread = not groups
-    while spread and (g := _best_spread_repeat(shape_free, covered, flops_prefix,
-                                               floor)) is not None:
-        claim(g)
+    if not groups:
+        while (g := _best_spread_repeat(shape_free, covered, flops_prefix, floor)) is not None:
+            claim(g)
     return tuple(sorted(groups, key=lambda g: g.starts[0]))
 
 
@@ -434,8 +433,7 @@ def _best_spread_repeat(tok, covered, flops_prefix, floor) -> BlockGroup | None:
         prefix = np.concatenate([[np.uint64(0)],
                                  np.cumsum(tok.astype(np.uint64) * powers, dtype=np.uint64)])
     blocked = np.concatenate([[0], np.cumsum(covered)])
-    free_runs = np.diff(np.flatnonzero(np.diff(np.concatenate([[1], covered, [1]]))))
-    longest = int(free_runs[0::2].max()) if len(free_runs) else 0
+    longest = max((hi - lo for lo, hi in _uncovered_runs(covered)), default=0)
     best = None  # (covered equations, period, starts)
     for p in range(1, min(longest, n // 2) + 1):
         starts = np.arange(0, n - p + 1)

@@ -748,7 +748,7 @@ def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: 
 
     def block_error() -> int | None:
         errors = [m.peak_bytes - model_peak(segments) for segments in plans
-                  if (m := _cached_measurement_of(an, segments, optimizer)) is not None]
+                  if (m := _cached_measurement(an, segments, optimizer)) is not None]
         return min(errors) if errors else None
 
     if best is not None:
@@ -785,14 +785,6 @@ def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: 
                 best = _with_measurement(p, m)
             break
     return best
-
-
-def _cached_measurement_of(an: Analysis, segments, optimizer) -> Measurement | None:
-    """XLA's figures for the plan of `segments` if this analysis measured it before."""
-    try:
-        return an.verified.get((tuple(segments), optimizer))
-    except TypeError:
-        return None
 
 
 def _cheaper_verified(an: Analysis, best: Plan, budget_bytes: int, optimizer, params, batch,
@@ -872,10 +864,13 @@ def _with_measurement(p: Plan, m: Measurement, **metadata) -> Plan:
                                metadata={**p.metadata, **metadata})
 
 
-def _cached_measurement(an: Analysis, p: Plan, optimizer) -> Measurement | None:
-    """XLA's figures for plan `p` if this analysis measured it before."""
+def _cached_measurement(an: Analysis, p: "Plan | tuple[Segment, ...]",
+                        optimizer) -> Measurement | None:
+    """XLA's figures for plan `p` (or the plan of these segments) if this analysis
+    measured it before."""
+    segments = p.segments if isinstance(p, Plan) else tuple(p)
     try:
-        return an.verified.get((p.segments, optimizer))
+        return an.verified.get((segments, optimizer))
     except TypeError:  # an optimizer that cannot be a dict key: no reuse
         return None
 
