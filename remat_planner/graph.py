@@ -182,14 +182,23 @@ def crossing_bytes(program: Program, graph: nx.DiGraph, only=None) -> np.ndarray
     With `only` (a set of value ids), only those values count."""
     n = len(program.eqns)
     diff = np.zeros(n + 2, dtype=np.int64)
+    for first, last, b in crossing_values(program, graph, only):
+        diff[first] += b
+        diff[last + 1] -= b
+    return np.cumsum(diff)[: n + 1]
+
+
+def crossing_values(program: Program, graph: nx.DiGraph, only=None):
+    """(first, last, bytes) per activation that crosses a boundary: it is defined before
+    equation `first` and last used at equation `last` (first <= last), so it crosses
+    boundaries first..last. Parameters, batch, constants and aux outputs are left out;
+    with `only` (a set of value ids), only those values count."""
     last = last_uses(program)
     aux = program.aux_outputs
     for i, e in enumerate(program.eqns):
         for v in e.outvars:
             if v in last and last[v] > i and v not in aux and (only is None or v in only):
-                diff[i + 1] += graph.nodes[("val", v)]["bytes"]
-                diff[last[v] + 1] -= graph.nodes[("val", v)]["bytes"]
-    return np.cumsum(diff)[: n + 1]
+                yield i + 1, last[v], graph.nodes[("val", v)]["bytes"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -732,14 +741,9 @@ def _largest_crossing_value(program: Program, graph: nx.DiGraph, n: int,
     """largest[k]: bytes of the biggest single activation (of `only`, if given) crossing
     boundary k."""
     largest = np.zeros(n + 1, dtype=np.int64)
-    last = last_uses(program)
-    aux = program.aux_outputs
-    for i, e in enumerate(program.eqns):
-        for v in e.outvars:
-            if v in last and last[v] > i and v not in aux and (only is None or v in only):
-                b = graph.nodes[("val", v)]["bytes"]
-                seg = largest[i + 1: last[v] + 1]
-                np.maximum(seg, b, out=seg)
+    for first, last, b in crossing_values(program, graph, only):
+        seg = largest[first: last + 1]
+        np.maximum(seg, b, out=seg)
     return largest
 
 
