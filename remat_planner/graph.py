@@ -18,7 +18,7 @@ import networkx as nx
 import numpy as np
 
 from .constants import (MAX_STAGES, MIN_BLOCK_FLOPS_SHARE, MIN_SUB_STAGE_SHARE, STREAM_RATIO,
-                        TRIVIAL_STAGE_SHARE)
+                        TRIVIAL_STAGE_SHARE, VARIANT_EXTRA)
 from .trace import Literal, Program
 
 # ---------------------------------------------------------------------------------------
@@ -271,10 +271,15 @@ class BlockGroup:
 
     starts: tuple[int, ...]
     length: int
+    # Copies with something added: a stretch next to a copy holding every equation of
+    # the block in order, up to shapes, plus at most half as many more (a ResNet stage's
+    # first block, whose shortcut has a projection). The user's block class is the same,
+    # so `nn.remat(Block)` wraps it too (_variants).
+    variants: tuple[tuple[int, int], ...] = ()
 
     @property
     def ranges(self) -> tuple[tuple[int, int], ...]:
-        return tuple((s, s + self.length) for s in self.starts)
+        return tuple(sorted([(s, s + self.length) for s in self.starts] + list(self.variants)))
 
     @property
     def stop(self) -> int:
@@ -394,6 +399,35 @@ def find_blocks(program: Program, flops=None, crossing=None) -> tuple[BlockGroup
                 if len(g.starts) >= 2:
                     kept.append(g)
             groups[:] = kept
+        # Each group's block with a branch added, next to its copies (every ResNet
+        # stage's first block, whose shortcut has a projection), largest groups first.
+        for first in sorted((g.starts[0] for g in groups), key=lambda k: -next(
+                len(g.starts) * g.length for g in groups if g.starts[0] == k)):
+            g = next((g for g in groups if g.starts[0] == first), None)
+            if g is None:
+                continue
+            held = np.zeros(n, dtype=bool)
+            for other in groups:
+                if other.length >= g.length or other.variants:
+                    for lo, hi in other.ranges:
+                        held[lo:hi] = True
+            variants = _variants(program, shape_free, g, held, crossing)
+            if not variants:
+                continue
+            taken = np.zeros(n, dtype=bool)
+            for lo, hi in variants:
+                taken[lo:hi] = True
+            kept = []
+            for other in groups:
+                if other is g:
+                    other = dataclasses.replace(g, variants=variants)
+                elif other.length < g.length and not other.variants:
+                    other = BlockGroup(tuple(s for s in other.starts
+                                             if not taken[s:s + other.length].any()),
+                                       other.length)
+                if len(other.starts) >= 2:
+                    kept.append(other)
+            groups[:] = kept
     # Where no block repeats in a row, copies of one block anywhere (a U-Net). Where one
     # does, the rest is its surroundings: a ResNet's stem and the first half of its
     # projection block are alike up to shapes, but cutting there took the cuts the
@@ -403,6 +437,70 @@ def find_blocks(program: Program, flops=None, crossing=None) -> tuple[BlockGroup
         while (g := _best_spread_repeat(shape_free, covered, flops_prefix, floor)) is not None:
             claim(g)
     return tuple(sorted(groups, key=lambda g: g.starts[0]))
+
+
+def _is_subsequence(block: np.ndarray, window: np.ndarray) -> bool:
+    it = iter(window.tolist())
+    return all(any(t == w for w in it) for t in block.tolist())
+
+
+def _weights(program: Program) -> set[int]:
+    """Values computed from parameters alone (and constants): a layer's weights, also
+    where the model casts or slices them first."""
+    out = set(program.invars[:program.n_param_leaves])
+    for e in program.eqns:
+        ins = [v for v in e.invars if isinstance(v, int)]
+        if ins and all(v in out or v in program.consts for v in ins):
+            out.update(e.outvars)
+    return out
+
+
+def _reads(program: Program, values: set[int], lo: int, hi: int) -> int:
+    """How many distinct `values` equations [lo, hi) read."""
+    return len({v for e in program.eqns[lo:hi] for v in e.invars
+                if isinstance(v, int) and v in values})
+
+
+def _variants(program: Program, tok: np.ndarray, main: BlockGroup, held: np.ndarray,
+              crossing: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """Stretches right before a copy of `main`, or right after one, that hold every
+    equation of its block in order, up to shapes (`tok`), plus at most VARIANT_EXTRA x
+    its length more, and no equation of a copy or of another group's (`held`): the same
+    block class with an added branch (a ResNet stage's first block). What is added has
+    weights of its own: the stretch reads more weights (_weights) than the block (a
+    projection, not the activation of the block before). The free end is put
+    where the least crosses (`crossing`), among the stretches that hold the block: the
+    block's input, not its input and a projection of it."""
+    block = tok[main.starts[0]:main.starts[0] + main.length]
+    L, n = main.length, len(tok)
+    weights = _weights(program)
+    block_weights = _reads(program, weights, main.starts[0], main.starts[0] + L)
+    longest = L + int(VARIANT_EXTRA * L)
+    taken = held.copy()
+    for lo, hi in main.ranges:
+        taken[lo:hi] = True
+    found = []
+    for s in main.starts:
+        for anchor, direction in ((s, -1), (s + L, 1)):
+            best = None
+            for size in range(L + 1, longest + 1):
+                lo, hi = (anchor - size, anchor) if direction < 0 else (anchor, anchor + size)
+                if lo < 0 or hi > n or taken[lo:hi].any():
+                    break
+                # the free end's first (or last) equation is the block's
+                end = lo if direction < 0 else hi - 1
+                if tok[end] != (block[0] if direction < 0 else block[-1]):
+                    continue
+                if (not _is_subsequence(block, tok[lo:hi])
+                        or _reads(program, weights, lo, hi) <= block_weights):
+                    continue
+                free = lo if direction < 0 else hi
+                if best is None or crossing[free] < best[0]:
+                    best = (crossing[free], lo, hi)
+            if best is not None:
+                found.append((best[1], best[2]))
+                taken[best[1]:best[2]] = True
+    return tuple(sorted(found))
 
 
 def _uncovered_runs(covered: np.ndarray) -> list[tuple[int, int]]:

@@ -358,3 +358,21 @@ def test_gpt2_tiny_fingerprint_tracks_batch_size():
     assert fp() == base
     assert fp(batch_size=2) != base
     assert fp(seq_len=32) != base
+
+
+def test_resnet_blocks_with_a_projection_shortcut_join_their_group():
+    """ResNet-50's 16 bottleneck blocks are found from the dataflow, each stage's first
+    block (whose shortcut has a projection convolution: the same block with a branch
+    added) included, every block exactly once and cut off as stages, so that a per-block
+    plan checkpoints what `nn.remat(Bottleneck)` would."""
+    from remat_planner.graph import find_blocks
+    wl = build_workload(load_config(TINY.parent / "resnet50.yaml"))
+    program = trace(wl.loss_fn, wl.abstract_params, *wl.abstract_batch, has_aux=True)
+    groups = find_blocks(program)
+    ranges = sorted(r for g in groups for r in g.ranges)
+    names = [{program.eqns[i].module_path.split("/")[1] for i in range(lo, hi)}
+             for lo, hi in ranges]
+    assert names == [{f"Bottleneck_{k}"} for k in range(16)]
+    assert sum(len(g.variants) for g in groups) == 4
+    bounds = {s.start for s in build_cost_graph(program).stages}
+    assert {lo for lo, _ in ranges} <= bounds
