@@ -46,9 +46,12 @@ def keep_words(option: str, sub_stages: Sequence[str] = ()) -> str:
         kind = parse_option(option)
     except ValueError:
         return option
-    if isinstance(kind, ScanOption):
-        return scan_words(option, sub_stages)
-    return KEEP_WORDS.get(option, option)
+    match kind:
+        case ScanOption():
+            return scan_words(option, sub_stages)
+        case Store() | KeepRule():
+            return KEEP_WORDS[kind.name]
+    return option  # a kind without words here
 
 
 def pretty_stage_name(name: str) -> str:
@@ -297,6 +300,11 @@ def _table(header: Sequence[str], body: Sequence[Sequence[str]], right: Sequence
             *(x for r in cells for x in lines(r))]
 
 
+def _checkpointed(segments: Sequence[Segment]) -> int:
+    """Segments of the tree (children included) that are `jax.checkpoint` regions."""
+    return sum(s.is_checkpoint + _checkpointed(s.children) for s in segments)
+
+
 def summary(plan: Plan, analysis=None, units: Units | None = None, figures: bool = True) -> str:
     """`plan` as a table a person can read, then every figure with its meaning.
 
@@ -309,7 +317,7 @@ def summary(plan: Plan, analysis=None, units: Units | None = None, figures: bool
     units = units or DEFAULT_UNITS
     fb = units.format
     rows = segment_rows(plan, analysis)
-    n_ckpt = sum(1 for r in rows if not r.keeps.startswith(KEEP_WORDS[STORE]))
+    n_ckpt = _checkpointed(plan.segments)  # one row per segment, as segment_rows walks them
     out = [f"remat plan for a budget of {fb(plan.budget_bytes)}: {len(plan.segments)} "
            f"top-level segments over {len(plan.stages)} stages, {n_ckpt} checkpointed"]
     step = plan.step_flops

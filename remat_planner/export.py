@@ -40,7 +40,7 @@ from .errors import (InfeasibleBudgetError, PlanMismatchError, RematPlannerError
                      UnsupportedModelError)
 from .memory import _dot_outputs, simulate
 from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, KeepRule, Plan,
-                   ScanOption, Segment, Store, parse_option)
+                   ScanOption, Segment, Store)
 from .solve import Solution
 from .trace import Literal, Program
 from .verify import as_batch
@@ -309,15 +309,17 @@ def _leaf_policy(program: Program, lo: int, hi: int,
         shapes = " x ".join(f"{dt}{list(s)}" for s, dt in ops)
         return None, (f"it keeps some {name}({shapes}) outputs and recomputes others with the "
                       "same shapes, which a policy predicate cannot tell apart")
-    same_as_rule = set(seg.saved) == set(_rule_outputs(program, lo, hi, seg.option))
-    builtin = BUILTIN.get(seg.option) if same_as_rule else None
+    rule = seg.kind.rule if isinstance(seg.kind, KeepRule) else None
+    same_as_rule = rule is not None and set(seg.saved) == set(_rule_outputs(program, lo, hi, rule))
+    builtin = BUILTIN.get(rule) if same_as_rule else None
     return PrimitivePolicy(frozenset(keep), builtin), None
 
 
-def _rule_outputs(program: Program, lo: int, hi: int, option: str) -> tuple[int, ...]:
-    if option == NOTHING:
+def _rule_outputs(program: Program, lo: int, hi: int, rule: str) -> tuple[int, ...]:
+    """The values keep rule `rule` (KeepRule.rule) keeps among equations [lo, hi)."""
+    if rule == NOTHING:
         return ()
-    return _dot_outputs(program, lo, hi, option)
+    return _dot_outputs(program, lo, hi, rule)
 
 
 def _describe(option: str, policy: PrimitivePolicy) -> str:
@@ -445,7 +447,7 @@ def module_units(an, program: Program | None = None) -> list[tuple[int, int, str
         path = _aligned_module(spans, stages[a].start, stages[c - 1].stop)
         if path is not None:
             units.append((a, c, path, tuple(o.name for o in profile.options
-                                              if isinstance(parse_option(o.name), KeepRule))))
+                                              if isinstance(o.kind, KeepRule))))
             covered.update(range(a, c))
     for i, st in enumerate(stages):
         if i in covered:
@@ -453,7 +455,7 @@ def module_units(an, program: Program | None = None) -> list[tuple[int, int, str
         path = _aligned_module(spans, st.start, st.stop)
         if path is not None:
             names = tuple(o.name for o in an.chain.stages[i].options
-                          if isinstance(parse_option(o.name), KeepRule))
+                          if isinstance(o.kind, KeepRule))
             if names:
                 units.append((i, i + 1, path, names))
     return sorted(units)

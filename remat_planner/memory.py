@@ -12,6 +12,7 @@ cost. The solver optimises exactly this model; verify checks it against XLA.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Callable, Sequence
 
@@ -21,12 +22,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .graph import (CostGraph, definitions, jaxpr_bytes, jaxpr_flops, last_uses,
                     varying_values)
-from .plan import DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Segment
+from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, KeepRule, Option, Segment, Store,
+                   parse_option)
 from .policies import dot_is_narrow
 from .trace import Literal, Program, eval_eqn, eval_range, nbytes
 from .sharding import per_device_bytes, step_shardings
 
 CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+_NOTHING = KeepRule(NOTHING)  # the checkpoint keeping only its inputs
 
 
 def compiler_options() -> dict:
@@ -210,7 +213,11 @@ def with_stage_gradients(chain: "ChainModel", grads: Sequence[int]) -> "ChainMod
 
 @dataclasses.dataclass(frozen=True)
 class KeepOption:
-    """One way to run a stage: what it keeps for the backward and what that costs."""
+    """One way to run a stage: what it keeps for the backward and what that costs.
+
+    `name` is the keep option's name (an `Option` given here is stored by its name);
+    `kind` is the typed option (options.py), parsed once, on first use: code dispatches
+    on its class, never on the name."""
 
     name: str
     saved: tuple[int, ...]      # value ids tagged and kept by name (checkpoint options)
@@ -223,6 +230,18 @@ class KeepOption:
     # Extra memory traffic in the backward, vs. `store` (graph.eqn_bytes): with
     # recompute_flops, the time cost model's input (costmodel.CostModel).
     recompute_bytes: float = 0.0
+
+    def __post_init__(self):
+        if isinstance(self.name, Option):
+            kind = self.name
+            object.__setattr__(self, "name", kind.name)
+            self.__dict__["kind"] = kind  # the cached_property's slot
+
+    @functools.cached_property
+    def kind(self) -> Option:
+        """The typed keep option (Store, KeepRule, ScanOption, ...); ValueError if `name`
+        names none (parse_option)."""
+        return parse_option(self.name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,7 +343,7 @@ class ChainModel:
         held = self.region_input_bytes(a, b)
         if option is None:
             return min(self.region_input_bytes(a, c), held)
-        if option.name == NOTHING and not option.saved:
+        if option.kind == _NOTHING and not option.saved:
             return min(option.keep_bytes, self.region_input_bytes(a, c), held)
         return 0
 
@@ -477,7 +496,7 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
         opts_local, wf, wb, local_names = cache[key]
         mapping = _value_mapping(program, local_names, lo, hi)
         options = tuple(dataclasses.replace(o, saved=tuple(mapping[v] for v in o.saved))
-                        for o in opts_local if o.name != STORE)
+                        for o in opts_local if not isinstance(o.kind, Store))
         flops = sum(s.flops for s in cost.stages[a:c])
         traffic = sum(s.bytes_accessed for s in cost.stages[a:c])
         name = f"{cost.stages[a].name} .. {cost.stages[c - 1].name}"
@@ -598,14 +617,15 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned
 
     pins = tuple(v for e in program.eqns[start:stop] for v in e.outvars if v in pinned)
     with_pins = lambda saved: tuple(sorted(set(saved) | set(pins))) if pins else saved
-    candidates = [(STORE, ()), (NOTHING, with_pins(())),
-                  *((rule, with_pins(_dot_outputs(program, start, stop, rule)))
+    candidates = [(Store(), ()), (KeepRule(NOTHING), with_pins(())),
+                  *((KeepRule(rule), with_pins(_dot_outputs(program, start, stop, rule)))
                     for rule in (DOTS_NO_BATCH, DOTS_NARROW, DOTS))]
     base = make_segment_fn(program, start, stop, ins, fn_outs)
     base_cost = step_cost(base)
     options, seen_saved = [], set()
-    for name, saved in candidates:
-        if name != STORE:
+    for kind, saved in candidates:
+        stored = isinstance(kind, Store)
+        if not stored:
             if saved in seen_saved:
                 continue  # same keep set as an earlier option
             seen_saved.add(saved)
@@ -614,8 +634,8 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned
             f = jax.checkpoint(tagged, policy=policy)
         else:
             f = base
-        rc = np.zeros(2) if name == STORE else np.maximum(0.0, step_cost(f) - base_cost)
-        options.append(KeepOption(name, saved, residual_bytes(f), float(rc[0]),
+        rc = np.zeros(2) if stored else np.maximum(0.0, step_cost(f) - base_cost)
+        options.append(KeepOption(kind, saved, residual_bytes(f), float(rc[0]),
                                   recompute_bytes=float(rc[1])))
     wf = wb = 0
     if measure_xla and fn_outs:
@@ -958,6 +978,6 @@ def _recompute_forward_cost(chain: ChainModel, seg: Segment, last: bool) -> floa
 
 
 def last_child_forward_flops(stage: StageProfile, option: str) -> float:
-    needed = stage.option(NOTHING).recompute_flops if any(
-        o.name == NOTHING for o in stage.options) else stage.flops
+    nothing = next((o for o in stage.options if o.kind == _NOTHING), None)
+    needed = nothing.recompute_flops if nothing is not None else stage.flops
     return max(0.0, needed - stage.option(option).recompute_flops)

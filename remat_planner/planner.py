@@ -9,7 +9,6 @@ rounds), so a plan is never returned as fitting when XLA says it does not.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Callable
 
 import jax
@@ -22,6 +21,7 @@ from .constants import (MAX_PROBES, MAX_VERIFY_COMPILES, PER_BLOCK_FIRST_MARGIN,
                         REUSE_TOLERANCE, SLACK_STOP)
 from .costmodel import CostModel, resolve as resolve_cost_model
 from .describe import sub_stage_labels
+from .options import ScanPart, ScanScheme, Store
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph, build_cost_graph
 from .graph import jaxpr_bytes, jaxpr_flops
@@ -319,7 +319,7 @@ def _scaled(chain: ChainModel, alpha: float, beta: float) -> ChainModel:
     tests/test_closed_loop.py pins the latter)."""
     def scaled(s):
         opts = tuple(dataclasses.replace(o, keep_bytes=int(o.keep_bytes * alpha))
-                     if o.name == STORE else o for o in s.options)
+                     if isinstance(o.kind, Store) else o for o in s.options)
         return dataclasses.replace(s, options=opts, fwd_temp_bytes=int(s.fwd_temp_bytes * beta),
                                    bwd_temp_bytes=int(s.bwd_temp_bytes * beta))
     return dataclasses.replace(chain, stages=tuple(scaled(s) for s in chain.stages))
@@ -680,7 +680,7 @@ def per_block_plans(an: Analysis) -> list[tuple[Segment, ...]]:
     if len(groups) > 1:
         choices += groups
     scans = {k: s for k, s in enumerate(chain.stages)
-             if any(is_scan_option(o.name) for o in s.options)}
+             if any(isinstance(o.kind, ScanOption) for o in s.options)}
     plans = []
     for rule in PER_BLOCK_RULES if groups or scans else ():
         for spans in choices if groups else [{}]:
@@ -698,7 +698,8 @@ def per_block_plans(an: Analysis) -> list[tuple[Segment, ...]]:
                 else:
                     segments.append(Segment(i, i + 1, STORE))
                     i += 1
-            if any(s.option != STORE for s in segments) and tuple(segments) not in plans:
+            checkpoints = not all(isinstance(s.kind, Store) for s in segments)
+            if checkpoints and tuple(segments) not in plans:
                 plans.append(tuple(segments))
     return plans
 
@@ -708,7 +709,6 @@ def per_block_plans(an: Analysis) -> list[tuple[Segment, ...]]:
 # sub-stage (`nothing|nothing`) recomputes the same and the solver has it already.
 _SCAN_WHOLE = {NOTHING: (), DOTS_NO_BATCH: ("[dots_no_batch]",),
                DOTS: ("[dots]", "[dots_narrow]", "[dots_no_batch]")}
-_SCAN_LAYERS = re.compile(rf"^{SCAN_PREFIX}(\d+)x")
 
 
 def _scan_whole_body(stage: StageProfile, rule: str):
@@ -716,9 +716,11 @@ def _scan_whole_body(stage: StageProfile, rule: str):
     body under `rule` (one flat scan), as `nn.remat(Block, policy=...)` inside `nn.scan`
     does; None when the stage has none (the profile dropped it, or no such plan)."""
     by_name = {o.name: o for o in stage.options}
-    layers = next(m.group(1) for o in stage.options if (m := _SCAN_LAYERS.match(o.name)))
-    return next((by_name[name] for plan in _SCAN_WHOLE[rule]
-                 if (name := f"{SCAN_PREFIX}{layers}x{plan}") in by_name), None)
+    # the layer count of the stage's (first) scheme: N of `scan:N...`
+    layers = next(o.kind.scheme.parts[0].count for o in stage.options
+                  if isinstance(o.kind, ScanOption))
+    whole = (ScanOption(ScanScheme((ScanPart(layers, plan),))).name for plan in _SCAN_WHOLE[rule])
+    return next((by_name[name] for name in whole if name in by_name), None)
 
 
 def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: list, loss_fn,

@@ -329,7 +329,7 @@ def parse_plan(name: str, chain: ChainModel, start: int = 0,
                 raise ValueError(f"per-iteration plan {name!r}: sub-stage {pos} has no keep "
                                  f"option {name[i:j]!r}") from None
             segments.append(Segment(pos, pos + 1, option.name,
-                                    option.saved if option.name != STORE else ()))
+                                    () if isinstance(option.kind, Store) else option.saved))
             pos, i = pos + 1, j
         if i < len(name):
             if name[i] != "|":

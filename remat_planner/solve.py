@@ -19,7 +19,7 @@ import numpy as np
 from .constants import SOLVER_RESOLUTION
 from .memory import (ChainModel, last_child_forward_flops, leaf_bwd_peak, leaf_fwd_peak,
                      region_fwd_peak, simulate)
-from .plan import NOTHING, STORE, Segment
+from .plan import NOTHING, STORE, Segment, Store
 
 INF = math.inf
 
@@ -83,7 +83,7 @@ class ChainSolver:
         # at a budget of exactly its peak (a budget set to the step's own peak without
         # remat): that plan is checked in exact bytes.
         self.store_all: Solution | None = None
-        if all(any(o.name == STORE for o in s.options) for s in chain.stages):
+        if all(any(isinstance(o.kind, Store) for o in s.options) for s in chain.stages):
             segments = tuple(Segment(i, i + 1, STORE) for i in range(n))
             peak, cost = simulate(chain, segments)
             self.store_all = Solution(segments, cost, peak)
@@ -220,7 +220,7 @@ class ChainSolver:
             val = self._value(mode, kind, opt, a, b, c, keep, base, m)
             if np.isfinite(val) and math.isclose(val, target, rel_tol=1e-9, abs_tol=1e-6):
                 if kind == "leaf":
-                    seg = Segment(a, c, opt.name, opt.saved if opt.name != STORE else ())
+                    seg = Segment(a, c, opt.name, () if isinstance(opt.kind, Store) else opt.saved)
                 else:  # its body runs on top of the `keep` units it added
                     seg = Segment(a, c, NOTHING, (), tuple(self._recover(a, c, m - keep, "body")))
                 rest = [] if c == b else self._recover(c, b, m - keep,
@@ -244,7 +244,7 @@ def enumerate_plans(chain: ChainModel, a: int = 0, b: int | None = None,
     spans = dict(chain.spans_from(a))
     for c in range(a + 1, b + 1):
         if c == a + 1:
-            firsts = [Segment(a, c, o.name, o.saved if o.name != STORE else ())
+            firsts = [Segment(a, c, o.name, () if isinstance(o.kind, Store) else o.saved)
                       for o in chain.stages[a].options]
         else:
             if exclude_single_region and c == b:

@@ -3,13 +3,16 @@ class per kind (Store, KeepRule, ScanOption), each named by the string plan file
 
 Public API only: build options, parse every kind, round-trip plans through JSON, refuse
 a malformed name with a clear message, and check that the kinds are a closed set which
-validate_segments and apply both handle (every kind replayed on a tiny model).
+validate_segments and apply both handle (every kind replayed on a tiny model), and that
+no module outside options.py tells kinds apart by their names (read from the source).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -214,3 +217,127 @@ def test_every_kind_is_replayed_by_apply_on_a_tiny_model(tiny):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
             replayed.add(type(plan.segments[k if kind is not KeepRule else 0].kind))
     assert replayed == set(option_kinds())
+
+
+def test_a_stage_option_of_the_memory_model_has_its_kind():
+    """memory.KeepOption, like Segment, keeps the name and gives the typed option."""
+    from remat_planner.memory import KeepOption
+    built = KeepOption(KeepRule(DOTS), (3,), 10, 1.0)
+    assert built.name == DOTS and built.kind == KeepRule(DOTS)
+    assert built == KeepOption(DOTS, (3,), 10, 1.0)
+    assert isinstance(KeepOption(STORE, (), 1, 0.0).kind, Store)
+    scanned = KeepOption("scan:4xnothing/2", (), 1, 0.0)
+    assert scanned.kind == ScanOption(ScanScheme((ScanPart(4, NOTHING, (2,)),)))
+    assert dataclasses.replace(built, saved=()).kind == KeepRule(DOTS)
+
+
+# ---------------------------------------------------------------------------------------
+# Dispatch on kinds is by type (docs/architecture.md, "Where a new kind of keep option
+# goes"): outside options.py no module tells kinds apart by their names
+# ---------------------------------------------------------------------------------------
+
+_PACKAGE = pathlib.Path(rp.__file__).parent
+# Names and strings that say which kind an option is: `store` is Store's only name and
+# `scan:` starts every ScanOption's.
+_KIND_NAMES = {"STORE", "SCAN_PREFIX"}
+_RULE_NAMES = {"NOTHING", "DOTS_NO_BATCH", "DOTS_NARROW", "DOTS", "KEEP_RULES"}
+# What holds an option's name: `o.name`, `seg.option`, or a variable called so.
+_NAME_HOLDERS = {"name", "option"}
+
+
+def _is_kind_literal(node: ast.AST) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id in _KIND_NAMES
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value == STORE or node.value.startswith("scan:")
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_is_kind_literal(e) for e in node.elts)
+    return False
+
+
+def _is_rule_literal(node: ast.AST) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id in _RULE_NAMES
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value in KEEP_RULES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_is_rule_literal(e) for e in node.elts)
+    return False
+
+
+def _holds_option_name(node: ast.AST) -> bool:
+    return ((isinstance(node, ast.Attribute) and node.attr in _NAME_HOLDERS)
+            or (isinstance(node, ast.Name) and node.id in _NAME_HOLDERS))
+
+
+def string_dispatch_sites(source: str) -> list[tuple[int, str]]:
+    """(line, code) of each place in `source` that tells option kinds apart by name: a
+    comparison with `store` / `scan:...` (STORE, SCAN_PREFIX or the strings), an option's
+    name (`.name`, `.option`, `name`, `option`) compared with a keep rule's name,
+    `is_scan_option`, `startswith` / `endswith` on a kind's name, and any other use of
+    SCAN_PREFIX (scan names built or matched by hand)."""
+    tree = ast.parse(source)
+    sites = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(_is_kind_literal(s) for s in sides) or (
+                    any(_holds_option_name(s) for s in sides)
+                    and any(_is_rule_literal(s) for s in sides)):
+                sites.add(node.lineno)
+        elif isinstance(node, ast.Call):
+            f = node.func
+            if (isinstance(f, ast.Name) and f.id == "is_scan_option") or (
+                    isinstance(f, ast.Attribute) and f.attr == "is_scan_option"):
+                sites.add(node.lineno)
+            elif isinstance(f, ast.Attribute) and f.attr in ("startswith", "endswith") and any(
+                    _is_kind_literal(n) for a in node.args for n in ast.walk(a)):
+                sites.add(node.lineno)
+        elif isinstance(node, ast.Name) and node.id == "SCAN_PREFIX" and isinstance(
+                node.ctx, ast.Load):
+            sites.add(node.lineno)
+    lines = source.splitlines()
+    return [(n, lines[n - 1].strip()) for n in sorted(sites)]
+
+
+def test_the_sniffer_finds_string_dispatch():
+    """string_dispatch_sites finds each way of telling kinds apart by name (so the test
+    below can fail), and none of the typed ways."""
+    by_name = """
+if o.name == STORE: pass
+if name != STORE: pass
+if seg.option == "store": pass
+if option.name == NOTHING and not option.saved: pass
+if s.option in (DOTS, NOTHING): pass
+if is_scan_option(o.name): pass
+if o.name.startswith(SCAN_PREFIX): pass
+pattern = re.compile(rf"^{SCAN_PREFIX}(\\d+)x")
+name = f"scan:{layers}x{plan}"
+if keeps.startswith(KEEP_WORDS[STORE]): pass
+"""
+    assert [n for n, _ in string_dispatch_sites(by_name)] == [2, 3, 4, 5, 6, 7, 8, 9, 11]
+    typed = """
+if isinstance(o.kind, Store): pass
+if seg.kind == KeepRule(NOTHING): pass
+if rule == DOTS_NO_BATCH and lhs_batch: pass
+match seg.kind:
+    case ScanOption(scheme=scheme): pass
+segments = [Segment(i, i + 1, STORE) for i in range(n)]
+name = ScanOption(ScanScheme((ScanPart(layers, plan),))).name
+"""
+    assert string_dispatch_sites(typed) == []
+
+
+def test_no_module_tells_option_kinds_apart_by_name():
+    """Outside options.py (the kinds' own home), code dispatches on an option's class
+    (`isinstance`, `match`, a table keyed by it), never on its name: a new kind then
+    touches options.py, the memory model and apply.REPLAY, not every `== STORE`."""
+    found = {}
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        if path.name == "options.py":
+            continue
+        sites = string_dispatch_sites(path.read_text())
+        if sites:
+            found[str(path.relative_to(_PACKAGE))] = sites
+    assert not found, "option kinds told apart by name:\n" + "\n".join(
+        f"  {f}:{n}: {code}" for f, sites in found.items() for n, code in sites)
