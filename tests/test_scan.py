@@ -68,7 +68,7 @@ def _scan_stage(an) -> int:
 def _plan_with(an, option: str, params, batch) -> Plan:
     k = _scan_stage(an)
     segs = tuple(Segment(i, i + 1, option if i == k else STORE) for i in range(an.chain.n))
-    return planner._plan_from_segments(an, segs, 0, 0, params, batch)
+    return planner.plan_from_segments(an, segs, 0, 0, params, batch)
 
 
 def _assert_grads_equal(got, want):
