@@ -38,7 +38,7 @@ from . import planner
 from .budget import parse_budget
 from .errors import (InfeasibleBudgetError, PlanMismatchError, RematPlannerError,
                      UnsupportedModelError)
-from .memory import _dot_outputs, simulate
+from .memory import dot_outputs, simulate
 from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, KeepRule, Plan,
                    ScanOption, Segment, Store, parse_option)
 from .solve import Solution
@@ -317,7 +317,7 @@ def _leaf_policy(program: Program, lo: int, hi: int,
 def _rule_outputs(program: Program, lo: int, hi: int, option: str) -> tuple[int, ...]:
     if option == NOTHING:
         return ()
-    return _dot_outputs(program, lo, hi, option)
+    return dot_outputs(program, lo, hi, option)
 
 
 def _describe(option: str, policy: PrimitivePolicy) -> str:
