@@ -855,12 +855,15 @@ def _frontier(args) -> int:
     if args.json:
         print(json.dumps({**fr.to_dict(), "files": paths}, indent=1))
     else:
-        _print_frontier(fr, units)
+        print_frontier(fr, units)
         print(f"wrote {paths['csv']}, {paths['png']}, {paths['md']}")
     return 0
 
 
-def _print_frontier(fr, units) -> None:
+def print_frontier(fr, units) -> None:
+    """Print frontier `fr` (frontier.sweep) as `remat-plan frontier` does: its points, and
+    the planner at each built-in policy's peak, sizes in `units`, on stdout; piped, no
+    cell is cut (_console)."""
     from rich.table import Table
 
     fb = units.format

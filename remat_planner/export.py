@@ -38,7 +38,7 @@ from . import planner
 from .budget import parse_budget
 from .errors import (InfeasibleBudgetError, PlanMismatchError, RematPlannerError,
                      UnsupportedModelError)
-from .memory import _dot_outputs, simulate
+from .memory import dot_outputs, simulate
 from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, KeepRule, Plan,
                    ScanOption, Segment, Store)
 from .solve import Solution
@@ -319,7 +319,7 @@ def _rule_outputs(program: Program, lo: int, hi: int, rule: str) -> tuple[int, .
     """The values keep rule `rule` (KeepRule.rule) keeps among equations [lo, hi)."""
     if rule == NOTHING:
         return ()
-    return _dot_outputs(program, lo, hi, rule)
+    return dot_outputs(program, lo, hi, rule)
 
 
 def _describe(option: str, policy: PrimitivePolicy) -> str:

@@ -46,7 +46,7 @@ fb = DEFAULT_UNITS.format  # progress messages; the files take the units they ar
 
 # Whether the sweep compiles on a worker thread beside the main one (the built-ins during
 # the analysis, the no-remat end's plan, one plan of each pair of points: _shots); None:
-# where the 1-minute load average is below the core count (_threads). XLA compiles release
+# where the 1-minute load average is below the core count (use_threads). XLA compiles release
 # the GIL, so with spare capacity they overlap (gpt2-tiny at load average 1.7: 30.2 s in
 # threads, 33.1 s in one); on 2 cores kept busy by another job they only compete (load
 # average 7-9: 56 and 74 s in threads, 51 and 67 s in one, run one after the other). The
@@ -55,7 +55,9 @@ fb = DEFAULT_UNITS.format  # progress messages; the files take the units they ar
 THREADS: bool | None = None
 
 
-def _threads() -> bool:
+def use_threads() -> bool:
+    """Whether the sweep compiles on a worker thread: THREADS where set, else whether the
+    1-minute load average is below the core count (False where there is none)."""
     if THREADS is not None:
         return THREADS
     import os
@@ -69,7 +71,7 @@ def _threads() -> bool:
 Step = Callable[[str], None]
 
 
-class _Inline:
+class InlineExecutor:
     """An executor that runs each task when it is submitted (THREADS off)."""
 
     def submit(self, fn, *args, **kwargs) -> Future:
@@ -249,7 +251,7 @@ def _point(p, label: str, budget: int, noremat_flops: float, compiles: int | Non
                  plan=_summary(p.segments), note=note)
 
 
-def _model_error(an, skip) -> int:
+def model_error(an, skip) -> int:
     """XLA's peak minus the model's (uncorrected) for the plan last measured on `an`,
     the per-block plans (`skip`) left out: the model overstates whole-block checkpoints,
     and its error on the solver's plans is what the next budget's plan will have
@@ -262,15 +264,22 @@ def _model_error(an, skip) -> int:
     return 0
 
 
-def _aim(wl, optimizer, an, budget: int, costs, skip) -> tuple[object, int, bool]:
+def aim(wl, optimizer, an, budget: int, costs=None,
+        skip=frozenset()) -> tuple[object, int, bool]:
     """What a sweep point compiles (_shot): the model's plan at `budget` less the model
-    error XLA measured on the last plan (_model_error), None where the model has none;
+    error XLA measured on the last plan (model_error), None where the model has none;
     that error; and whether it needs a compile: not where this run measured it already,
     nor where it recomputes less than the cheapest plan XLA measured within `budget` by
-    under FLAT_GAIN of the step (both by the model: the frontier is flat there)."""
+    under FLAT_GAIN of the step (both by the model: the frontier is flat there).
+
+    costs: the planner's cost reports the sweep made for `an` (None: the default cost
+    model's); skip: the per-block plans (per_block_plans), which model_error leaves out.
+    """
+    if costs is None:
+        costs = pl._PlanCosts(an, pl.resolve_cost_model(None))
     P, B = wl.abstract_params, wl.abstract_batch
     have = pl._cheapest_verified(an, budget, optimizer, P, B, costs)
-    error = max(0, _model_error(an, skip))
+    error = max(0, model_error(an, skip))
     try:
         model = pl.plan(wl.loss_fn, P, B, budget - error, optimizer, analysis=an,
                         verify=False)
@@ -305,12 +314,12 @@ def _settle(wl, optimizer, an, budget: int, label: str, noremat_flops: float, co
 
 def _shot(wl, optimizer, an, budget: int, label: str, noremat_flops: float, costs,
           skip) -> tuple[Point, int]:
-    """A sweep point with at most one compile: the plan _aim picks, compiled if it needs
+    """A sweep point with at most one compile: the plan aim picks, compiled if it needs
     it, then the cheapest plan XLA measured within `budget` (_settle). planner.plan with
     one compile measures the model's plan at the budget itself, which XLA puts over it as
     often as not (gpt2-tiny: 9 of 12 by 0.5-0.8 MB): its compile then serves a larger
     budget only. Returns the point and the compiles made (0 or 1)."""
-    model, error, need = _aim(wl, optimizer, an, budget, costs, skip)
+    model, error, need = aim(wl, optimizer, an, budget, costs, skip)
     if need:
         pl._measure_plan(an, model, wl.loss_fn, wl.abstract_params, wl.abstract_batch,
                          optimizer)
@@ -441,11 +450,11 @@ def _shots(wl, optimizer, an, queue, k: int, costs, skip, pool, nf: float, label
     `an.verified` in queue order, so the points do not depend on which compile ends
     first."""
     budget, kind, i = queue[k - 1]
-    model, error, need = _aim(wl, optimizer, an, budget, costs, skip)
+    model, error, need = aim(wl, optimizer, an, budget, costs, skip)
     pair = None
     if need and k < len(queue) and queue[k] != last:
         budget2, kind2, i2 = queue[k]
-        model2, error2, need2 = _aim(wl, optimizer, an, budget2, costs, skip)
+        model2, error2, need2 = aim(wl, optimizer, an, budget2, costs, skip)
         if need2 and model2.segments != model.segments:
             pair = (budget2, kind2, i2, model2, error2)
     P, B = wl.abstract_params, wl.abstract_batch
@@ -498,7 +507,7 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
     # core is free), the per-block policies first, each step's program entered in
     # `programs` (_measure_per_block waits for those), then sqrt(n) grouping while the
     # low end is planned.
-    pool = ThreadPoolExecutor(max_workers=1) if _threads() else _Inline()
+    pool = ThreadPoolExecutor(max_workers=1) if use_threads() else InlineExecutor()
     try:
         programs: dict = {}  # step digest -> XLA's measurement (verify.measure)
         pending = {name: pool.submit(_measure_builtin, name, wl, optimizer, programs)
@@ -520,7 +529,7 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
         top_new_compile = not (an.sharding is None
                                and all(not s.is_checkpoint for s in top.segments))
         top_m = (pool.submit(_measure_alone, an, top, wl, optimizer) if top_new_compile
-                 else _Inline().submit(lambda: nr))
+                 else InlineExecutor().submit(lambda: nr))
         noremat = Point("builtin", baselines.NO_REMAT, None, nr.peak_bytes, nr.flops, nf,
                         plan="no checkpoint")
         costs = pl._PlanCosts(an, pl.resolve_cost_model(None))
@@ -533,7 +542,7 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
 
         step("measuring the planner's per-block plans")
         per_block, shared = _measure_per_block(wl, optimizer, an, costs, builtin_programs)
-        skip = set(pl.per_block_plans(an))  # segments _model_error leaves out
+        skip = set(pl.per_block_plans(an))  # segments model_error leaves out
 
         # The low end: the model's smallest feasible budget; when XLA finds the plan over
         # it, the error names a verified-or-lowest-measured peak to try instead (twice at

@@ -397,9 +397,11 @@ def _is_float(aval) -> bool:
     return jax.dtypes.issubdtype(aval.dtype, np.inexact)
 
 
-def _dot_outputs(program: Program, start: int, stop: int, rule: str) -> tuple[int, ...]:
-    """Outputs of the stage's dot_generals that keep rule `rule` (DOTS_NO_BATCH, DOTS_NARROW
-    or DOTS) saves; DOTS also keeps convolutions' outputs, as JAX's dots_saveable does."""
+def dot_outputs(program: Program, start: int, stop: int, rule: str) -> tuple[int, ...]:
+    """Outputs of the dot_generals in equations [start, stop) of `program` that keep rule
+    `rule` (DOTS_NO_BATCH, DOTS_NARROW or DOTS) saves; DOTS also keeps convolutions'
+    outputs, as JAX's dots_saveable does. The value ids a Segment with that option keeps
+    over those equations (`Segment.saved`), as the planner and the Flax export read them."""
     picked = []
     for e in program.eqns[start:stop]:
         if e.name == "conv_general_dilated" and rule == DOTS:
@@ -618,7 +620,7 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned
     pins = tuple(v for e in program.eqns[start:stop] for v in e.outvars if v in pinned)
     with_pins = lambda saved: tuple(sorted(set(saved) | set(pins))) if pins else saved
     candidates = [(Store(), ()), (KeepRule(NOTHING), with_pins(())),
-                  *((KeepRule(rule), with_pins(_dot_outputs(program, start, stop, rule)))
+                  *((KeepRule(rule), with_pins(dot_outputs(program, start, stop, rule)))
                     for rule in (DOTS_NO_BATCH, DOTS_NARROW, DOTS))]
     base = make_segment_fn(program, start, stop, ins, fn_outs)
     base_cost = step_cost(base)

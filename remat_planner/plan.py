@@ -221,7 +221,7 @@ class Plan:
     def to_json(self) -> str:
         """The plan as JSON with a checksum of its content, so an edited file is refused."""
         d = self.to_dict()
-        return json.dumps({**d, "checksum": _checksum(d)}, indent=1, sort_keys=True)
+        return json.dumps({**d, "checksum": plan_checksum(d)}, indent=1, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -236,7 +236,7 @@ class Plan:
             if d.get("format") != "remat-planner/plan" or d.get("version") not in _READ_VERSIONS:
                 raise ValueError(f"format {d.get('format')!r} version {d.get('version')!r}")
             checksum = d.pop("checksum", None)
-            if checksum != _checksum(d):
+            if checksum != plan_checksum(d):
                 raise PlanMismatchError(
                     "plan file was changed after it was written (checksum "
                     f"{'missing' if checksum is None else 'mismatch'}); plans are not edited by "
@@ -277,8 +277,10 @@ def _bool(value) -> bool:
     return value
 
 
-def _checksum(d: dict) -> str:
-    """Hash of a plan's dict (without its checksum) in a canonical JSON form."""
+def plan_checksum(d: dict) -> str:
+    """The checksum `Plan.to_json` writes and `Plan.from_json` checks: a hash of the
+    plan's dict (`to_dict`, without its checksum) in a canonical JSON form. A program
+    that edits a plan file on purpose writes the checksum of the edited dict."""
     canonical = json.dumps(d, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

@@ -200,7 +200,7 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
             # all-gathered and collective outputs tagged as in a plan (apply.run_segments),
             # so the plan's figures differ from it by the remat alone.
             store_all = tuple(Segment(i, i + 1, STORE) for i in range(chain.n))
-            base = _plan_from_segments(an, store_all, 0, 0, params, batch).apply(loss_fn)
+            base = plan_from_segments(an, store_all, 0, 0, params, batch).apply(loss_fn)
         noremat = measure(base, params, batch, optimizer, has_aux, sharding=spec)
         # Sharded: XLA's FLOPs are one device's; the model's stay global (recompute too).
         flops = step_flops if spec is not None else (noremat.flops or step_flops)
@@ -250,7 +250,7 @@ def _calibrate_scan(an: Analysis, scanned: "scan.ScanChain", loss_fn, params, ba
     store_all = [Segment(i, i + 1, STORE) for i in range(n)]
     ckpt = tuple(Segment(i, i + 1, scan.calibration_scheme(scanned.stack) if i == k else STORE)
                  for i in range(n))
-    ckpt_loss = _plan_from_segments(an, ckpt, 0, 0, params, batch).apply(loss_fn)
+    ckpt_loss = plan_from_segments(an, ckpt, 0, 0, params, batch).apply(loss_fn)
     base = loss_fn
     if an.sharding is not None and an.sharding.scheme != "dp":
         # The unplanned step as plans run it: the scan rebuilt with every sub-stage stored,
@@ -258,7 +258,7 @@ def _calibrate_scan(an: Analysis, scanned: "scan.ScanChain", loss_fn, params, ba
         # (apply.run_scheme), so that plans differ from it by their recomputation alone.
         store = tuple(Segment(i, i + 1, scan.store_scheme(scanned.stack) if i == k else STORE)
                       for i in range(n))
-        base = _plan_from_segments(an, store, 0, 0, params, batch).apply(loss_fn)
+        base = plan_from_segments(an, store, 0, 0, params, batch).apply(loss_fn)
     say("measuring the step without remat and with the layer stack checkpointed (calibration)")
     with ThreadPoolExecutor(max_workers=1) as pool:  # XLA compiles release the GIL
         pending = pool.submit(measure, base, params, batch, optimizer, has_aux,
@@ -356,7 +356,7 @@ def _calibrate(an: Analysis, loss_fn, params, batch, optimizer, say) -> Analysis
     # stage differently from a recomputed one.
     ckpt_all = tuple(Segment(i, i + 1, NOTHING if i < n - 1 else STORE) for i in range(n))
     say("measuring the step with every stage but the last checkpointed (calibration)")
-    ckpt_plan = _plan_from_segments(an, ckpt_all, 0, 0, params, batch)
+    ckpt_plan = plan_from_segments(an, ckpt_all, 0, 0, params, batch)
     ckpt_measured = measure(ckpt_plan.apply(loss_fn), params, batch, optimizer,
                             an.program.has_aux, sharding=an.sharding).peak_bytes
 
@@ -932,14 +932,21 @@ def _make_plan(an: Analysis, solution, budget_bytes: int, params, batch, correct
                costs: _PlanCosts | None = None) -> Plan:
     extra = costs.metadata(solution.segments) if costs is not None else {
         "recompute_flops": solution.recompute_flops, "metadata": {}}
-    p = _plan_from_segments(an, solution.segments, budget_bytes,
-                            an.predicted_peak(solution.activation_peak_bytes) + correction,
-                            params, batch, extra["recompute_flops"])
+    p = plan_from_segments(an, solution.segments, budget_bytes,
+                           an.predicted_peak(solution.activation_peak_bytes) + correction,
+                           params, batch, extra["recompute_flops"])
     return dataclasses.replace(p, metadata={**p.metadata, **extra["metadata"]})
 
 
-def _plan_from_segments(an: Analysis, segments, budget_bytes: int, predicted: int, params, batch,
-                        recompute_flops: float = 0.0) -> Plan:
+def plan_from_segments(an: Analysis, segments, budget_bytes: int, predicted: int, params, batch,
+                       recompute_flops: float = 0.0) -> Plan:
+    """The Plan of hand-chosen `segments` on the analysed step, neither solved nor measured.
+
+    The plan `plan` would return had its solver chosen `segments` (one option on one
+    stage, say): the analysis's stages, fingerprint and fixed memory, the input signature
+    of `params` and `batch`; `budget_bytes`, `predicted` (peak bytes) and
+    `recompute_flops` are recorded as given.
+    """
     return Plan(
         segments=tuple(segments),
         stages=an.stage_infos,

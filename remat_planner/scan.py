@@ -574,8 +574,10 @@ def _parts(stack: LayerStack, plans: Sequence[IterationPlan], m: int
             for part in (ScanPart(m, p.name, g) for p in plans for g in groups)]
 
 
-def _frontier_schemes(stack: LayerStack) -> list[tuple[ScanScheme, SchemeCost]]:
-    """The schemes no other beats on kept bytes, peak and recompute together.
+def frontier_schemes(stack: LayerStack) -> list[tuple[ScanScheme, SchemeCost]]:
+    """The schemes no other beats on kept bytes, peak and recompute together, each with
+    its cost (scheme_cost): the options the scan stage of the chain model offers
+    (scan_stage_profile).
 
     Candidates: one scan with any per-iteration plan and nesting (flat, two or three
     levels); two consecutive scans (flat + flat with different plans, flat + two-level
@@ -704,7 +706,7 @@ def scan_stage_profile(stack: LayerStack, name: str, flops: float, b_in: int, b_
     whole = SchemeCost(input_bytes, input_bytes + store.peak_bytes, n * stack.body_flops)
     options = [_option(STORE, store, b_in, b_out), _option(NOTHING, whole, b_in, b_out)]
     if frontier:
-        schemes = _frontier_schemes(stack)
+        schemes = frontier_schemes(stack)
     else:
         sch = ScanScheme.parse(calibration_scheme(stack))
         schemes = [(sch, scheme_cost(stack, sch))]

@@ -65,7 +65,7 @@ def mlp():
 def _plan(an, params, batch, option_of):
     n = an.chain.n
     segs = tuple(Segment(i, i + 1, *option_of(i, an.chain.stages[i])) for i in range(n))
-    return pl._plan_from_segments(an, segs, 0, 0, params, batch)
+    return pl.plan_from_segments(an, segs, 0, 0, params, batch)
 
 
 def _jax_saved(plan, real) -> list[tuple[str, tuple]]:

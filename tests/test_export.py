@@ -14,7 +14,7 @@ import remat_planner as rp
 from remat_planner.config import build_workload, load_config, make_optimizer
 from remat_planner.errors import InfeasibleBudgetError
 from remat_planner.export import PrimitivePolicy, export_flax, main, module_plan
-from remat_planner.memory import _dot_outputs
+from remat_planner.memory import dot_outputs
 from remat_planner.models.gpt2 import GPT2, Block as GPT2Block
 from remat_planner.models.layers import causal_lm_loss
 from remat_planner.plan import DOTS, DOTS_NO_BATCH, NOTHING, STORE, Plan, Segment, StageInfo
@@ -63,7 +63,7 @@ def test_a_planner_plan_over_half_blocks_is_reported_not_faked(selfattn):
     stages = an.stage_infos
     mlp = next(i for i, s in enumerate(stages) if "Dense_0" in s.name)
     lo, hi = stages[mlp].start, stages[mlp].stop
-    segs = tuple(Segment(i, i + 1, DOTS_NO_BATCH, _dot_outputs(an.program, lo, hi, DOTS_NO_BATCH))
+    segs = tuple(Segment(i, i + 1, DOTS_NO_BATCH, dot_outputs(an.program, lo, hi, DOTS_NO_BATCH))
                  if i == mlp else Segment(i, i + 1, STORE) for i in range(n))
     plan = Plan(segs, stages, an.program.fingerprint(), 0, 0, 0.0, 0, 1.0)
     exported = export_flax(plan, an.program)
@@ -154,7 +154,7 @@ def test_nested_regions_export_to_nested_remat_with_the_replays_figures():
     assert r01 == r00 + 1 and r21 == r20 + 1
 
     def saved(i, rule):
-        return _dot_outputs(program, stages[i].start, stages[i].stop, rule)
+        return dot_outputs(program, stages[i].start, stages[i].stop, rule)
 
     segs = []
     i = 0
@@ -166,7 +166,7 @@ def test_nested_regions_export_to_nested_remat_with_the_replays_figures():
             i = r01 + 1
         elif i == r20:
             lo, hi = stages[r20].start, stages[r21].stop
-            segs.append(Segment(r20, r21 + 1, DOTS, _dot_outputs(program, lo, hi, DOTS)))
+            segs.append(Segment(r20, r21 + 1, DOTS, dot_outputs(program, lo, hi, DOTS)))
             i = r21 + 1
         else:
             segs.append(Segment(i, i + 1, STORE))
@@ -204,7 +204,7 @@ def test_same_shaped_values_kept_and_recomputed_are_not_exported():
     spans = [i for i, e in enumerate(program.eqns) if e.module_path.startswith("_Pair")]
     lo, hi = spans[0], spans[-1] + 1
     assert all(program.eqns[i].module_path.startswith("_Pair") for i in range(lo, hi))
-    dots = _dot_outputs(program, lo, hi, DOTS)
+    dots = dot_outputs(program, lo, hi, DOTS)
     assert len(dots) == 2
     stages = tuple(s for s in (StageInfo(0, lo, "pre"), StageInfo(lo, hi, "_Pair"),
                                StageInfo(hi, n, "post")) if s.stop > s.start)

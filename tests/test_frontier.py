@@ -237,11 +237,9 @@ def test_per_block_plans_share_the_builtins_programs(frontier_run, two_layer):
                for name in baselines.POLICIES}
     assert len(set(digests.values())) == len(digests)  # three different programs
     assert step_digest(wl.loss_fn, P, B, opt) not in digests.values()
-    costs = pl._PlanCosts(an, pl.resolve_cost_model(None))
     plans = []
     for segments in pl.per_block_plans(an):
-        act, cost = pl.simulate(costs.objective_chain, segments)
-        p = pl._make_plan(an, pl.Solution(segments, cost, act), 10**9, P, B, 0, costs=costs)
+        p = pl.plan_from_segments(an, segments, 10**9, 0, P, B)
         plans.append(step_digest(p.apply(wl.loss_fn), P, B, opt))
     assert sorted(plans) == sorted(digests.values())
 
@@ -258,7 +256,6 @@ def test_sweep_shots_aim_below_the_budget_by_the_last_error(two_layer):
     wl, opt = build_workload(cfg), make_optimizer(cfg.optimizer)
     P, B = wl.abstract_params, wl.abstract_batch
     an = pl.analyze(wl.loss_fn, P, B, opt, calibrate=False)
-    costs = pl._PlanCosts(an, pl.resolve_cost_model(None))
     skip = set(pl.per_block_plans(an))
     assert skip
     top = an.noremat_predicted_peak
@@ -269,29 +266,29 @@ def test_sweep_shots_aim_below_the_budget_by_the_last_error(two_layer):
         an.verified[(segments, opt)] = Measurement(peak, flops, 0, 0, 0, 0, 0.0)
 
     # Nothing measured: the model's plan at the budget itself, to compile.
-    model, error, need = fr_mod._aim(wl, opt, an, budget, costs, skip)
+    model, error, need = fr_mod.aim(wl, opt, an, budget, skip=skip)
     assert error == 0 and need and model.segments == model_at(budget).segments
     # XLA puts it 3% over the model: the next point aims that much lower.
     over = top * 3 // 100
     measured(model.segments, model.predicted_peak_bytes + over, 2e9)
-    assert fr_mod._model_error(an, skip) == over
+    assert fr_mod.model_error(an, skip) == over
     # A per-block plan measured after it (the model overstates those) does not count.
     measured(next(iter(skip)), 1, 1e9)
-    assert fr_mod._model_error(an, skip) == over
+    assert fr_mod.model_error(an, skip) == over
     del an.verified[(next(iter(skip)), opt)]
     later = budget + 2 * over
-    aimed, error, need = fr_mod._aim(wl, opt, an, later, costs, skip)
+    aimed, error, need = fr_mod.aim(wl, opt, an, later, skip=skip)
     assert error == over and aimed.segments == model_at(later - over).segments
     assert need == (aimed.segments != model.segments)
     # Measured already: no compile.
     measured(aimed.segments, later, 1.5e9)
-    assert fr_mod._aim(wl, opt, an, later, costs, skip)[2] is False
+    assert fr_mod.aim(wl, opt, an, later, skip=skip)[2] is False
     # Flat: the model's plan recomputes less than the cheapest measured within the budget
-    # by under FLAT_GAIN of the step (both by the model).
-    have = pl._cheapest_verified(an, later + over, opt, P, B, costs)
-    nxt, _, need = fr_mod._aim(wl, opt, an, later + over, costs, skip)
-    gain = have.recompute_overhead - nxt.recompute_overhead
-    assert need == (gain >= fr_mod.FLAT_GAIN and pl._cached_measurement(an, nxt, opt) is None)
+    # by under FLAT_GAIN of the step (both by the model). Within later + over XLA measured
+    # the model's first plan (2e9 FLOPs) and the aimed one (1.5e9): the aimed is cheapest.
+    nxt, _, need = fr_mod.aim(wl, opt, an, later + over, skip=skip)
+    gain = aimed.recompute_overhead - nxt.recompute_overhead
+    assert need == (gain >= fr_mod.FLAT_GAIN and (nxt.segments, opt) not in an.verified)
 
 
 def test_sweep_threads_only_with_a_core_free(monkeypatch):
@@ -302,12 +299,12 @@ def test_sweep_threads_only_with_a_core_free(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setattr(fr_mod, "THREADS", None)
     monkeypatch.setattr(os, "getloadavg", lambda: (1.7, 1.0, 1.0))
-    assert fr_mod._threads()
+    assert fr_mod.use_threads()
     monkeypatch.setattr(os, "getloadavg", lambda: (2.5, 1.0, 1.0))
-    assert not fr_mod._threads()
+    assert not fr_mod.use_threads()
     monkeypatch.setattr(fr_mod, "THREADS", True)
-    assert fr_mod._threads()
-    pool = fr_mod._Inline()
+    assert fr_mod.use_threads()
+    pool = fr_mod.InlineExecutor()
     assert pool.submit(lambda a, b: a + b, 1, b=2).result() == 3
     with pytest.raises(ZeroDivisionError):
         pool.submit(lambda: 1 / 0).result()

@@ -185,3 +185,100 @@ def _follows_commented(lines: list[str], lineno: int) -> bool:
             return False
         i -= 1
     return i >= 0 and lines[i].lstrip().startswith("#")
+
+
+# ---------------------------------------------------------------------------------------
+# Tests use the package's public API only (issue 19)
+# ---------------------------------------------------------------------------------------
+
+TESTS = Path(__file__).resolve().parent
+
+# (test file, private name) -> why that test may use it. Empty: no test reaches inside a
+# module; what a test needs is public.
+PRIVATE_ALLOWED: dict[tuple[str, str], str] = {}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _ours(module: str) -> bool:
+    return module == "remat_planner" or module.startswith("remat_planner.")
+
+
+def private_uses(source: str) -> list[tuple[int, str]]:
+    """(line, name) for every underscore-prefixed name of remat_planner that `source`
+    imports or reaches: `from remat_planner.m import _x`, a private module in an import
+    path, an attribute `obj._x` (on anything but `self` or `cls`, which are the test's own
+    classes: a plan, an analysis or a module reached through a name cannot be told from
+    ours by reading), `setattr`/`getattr`/`monkeypatch.setattr(obj, "_x", ...)`, and a
+    dotted string `"remat_planner.m._x"` (monkeypatch, importlib). Dunder names are
+    public."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and not node.level and _ours(node.module or ""):
+            parts = node.module.split(".")
+            found += [(node.lineno, p) for p in parts if _private(p)]
+            found += [(node.lineno, a.name) for a in node.names if _private(a.name)]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, p) for a in node.names if _ours(a.name)
+                      for p in a.name.split(".") if _private(p)]
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append((node.lineno, node.attr))
+        elif isinstance(node, ast.Call):
+            fn = node.func
+            name = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(
+                fn, ast.Attribute) else None
+            if name in ("setattr", "getattr", "hasattr", "delattr") and len(node.args) >= 2:
+                arg = node.args[1]
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str) \
+                        and _private(arg.value):
+                    found.append((node.lineno, arg.value))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and _ours(node.value.split(" ")[0]):
+            found += [(node.lineno, p) for p in node.value.split(" ")[0].split(".")
+                      if _private(p)]
+    return sorted(set(found))
+
+
+def test_tests_use_public_api_only():
+    """No test file imports or reaches a private name of remat_planner: what the tests
+    need is public (and documented), so the tests pin the interface, not its insides."""
+    found, used = [], set()
+    for f in sorted(TESTS.glob("*.py")):
+        for line, name in private_uses(f.read_text()):
+            if (f.name, name) in PRIVATE_ALLOWED:
+                used.add((f.name, name))
+            else:
+                found.append(f"{f.name}:{line}: {name}")
+    assert not found, "tests reach private names of remat_planner:\n" + "\n".join(found)
+    assert used == set(PRIVATE_ALLOWED), f"stale allowances: {set(PRIVATE_ALLOWED) - used}"
+
+
+def test_the_public_api_check_sees_each_kind_of_private_use():
+    source = '''
+import remat_planner._hidden
+from remat_planner.plan import _checksum, Plan
+from remat_planner._impl import thing
+from remat_planner import planner as pl
+pl._plan_from_segments(an, segs)
+an._cache
+monkeypatch.setattr(pl, "_make_plan", None)
+getattr(pl, "_PlanCosts")
+monkeypatch.setattr("remat_planner.frontier._threads", lambda: True)
+'''
+    names = [n for _, n in private_uses(source)]
+    assert sorted(names) == sorted(["_hidden", "_checksum", "_impl", "_plan_from_segments",
+                                    "_cache", "_make_plan", "_PlanCosts", "_threads"])
+    clean = '''
+from jax._src.ad_checkpoint import saved_residuals
+from test_reliability import _params
+class Layer:
+    def __call__(self, x):
+        return self._block(x)
+type(x).__name__, plan.__dict__
+monkeypatch.setattr(pl, "measure", None)
+"remat_planner/plan.py _private words"
+'''
+    assert private_uses(clean) == []

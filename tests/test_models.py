@@ -230,7 +230,7 @@ def test_scanned_bf16_dot_plans_are_predicted_as_xla_keeps_them():
         option = f"scan:{n}x{body_plan}"
         segs = tuple(Segment(i, i + 1, option if i == k else STORE) for i in range(an.chain.n))
         predicted = an.predicted_peak(simulate(an.chain_for(segs), segs)[0])
-        plan = pl._plan_from_segments(an, segs, 0, 0, wl.abstract_params, wl.abstract_batch)
+        plan = pl.plan_from_segments(an, segs, 0, 0, wl.abstract_params, wl.abstract_batch)
         xla = rp.measure(plan.apply(wl.loss_fn), wl.abstract_params, wl.abstract_batch,
                          opt).peak_bytes
         assert abs(predicted - xla) <= 0.05 * xla, (body_plan, predicted, xla)

@@ -48,7 +48,7 @@ def model(request):
     n = an.chain.n
     nested = (Segment(0, n - 1, NOTHING, (), tuple(Segment(i, i + 1, NOTHING) for i in range(n - 1))),
               Segment(n - 1, n, STORE))
-    handmade = pl._plan_from_segments(an, nested, 0, 0, params, batch)
+    handmade = pl.plan_from_segments(an, nested, 0, 0, params, batch)
     return request.param, wl, opt, an, handmade, params, batch
 
 

@@ -175,7 +175,7 @@ def _check_family(middle, primitive: str) -> None:
     want_loss, want_grads = grad(loss_fn)(ws, x)
     in_grad = {}
     for name, segments in plans.items():
-        plan = pl._plan_from_segments(an, segments, 0, 0, ws, (x,))
+        plan = pl.plan_from_segments(an, segments, 0, 0, ws, (x,))
         f = plan.apply(loss_fn)
         # Kept or recomputed whole: once in the replayed forward, at its stage's depth.
         assert _occurrences(jax.make_jaxpr(f)(ws, x).jaxpr, primitive) == [

@@ -70,7 +70,7 @@ def test_planned_gradients_equal_unplanned(tiny, real_inputs, name):
     wl, _, an = tiny
     params, batch = real_inputs
     segments = _handmade_plans(an.chain.n, an)[name]
-    plan = pl._plan_from_segments(an, segments, 0, 0, params, batch)
+    plan = pl.plan_from_segments(an, segments, 0, 0, params, batch)
     planned = plan.apply(wl.loss_fn)
     loss0, g0 = jax.value_and_grad(wl.loss_fn)(params, *batch)
     loss1, g1 = jax.jit(jax.value_and_grad(planned))(params, *batch)
@@ -83,7 +83,7 @@ def test_planned_jaxpr_has_the_plans_checkpoints(tiny, real_inputs):
     wl, _, an = tiny
     params, batch = real_inputs
     segments = _handmade_plans(an.chain.n, an)["two_level"]
-    plan = pl._plan_from_segments(an, segments, 0, 0, params, batch)
+    plan = pl.plan_from_segments(an, segments, 0, 0, params, batch)
     jaxpr = jax.make_jaxpr(plan.apply(wl.loss_fn))(params, *batch).jaxpr
     outer = [e for e in jaxpr.eqns if e.primitive.name in ("checkpoint", "remat2")]
     assert len(outer) == 1  # one top-level region, the last stage outside

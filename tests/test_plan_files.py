@@ -18,7 +18,7 @@ import pytest
 import remat_planner as rp
 from remat_planner import planner as pl
 from remat_planner.config import build_workload, load_config, make_optimizer
-from remat_planner.plan import _checksum
+from remat_planner.plan import plan_checksum
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT2_TINY = ROOT / "configs" / "gpt2-tiny.yaml"
@@ -145,7 +145,7 @@ def _edit(text: str, fn, rechecksum: bool = False) -> str:
     fn(d)
     if rechecksum:  # a writer that recomputes the checksum: the structure is checked too
         d.pop("checksum", None)
-        d["checksum"] = _checksum(d)
+        d["checksum"] = plan_checksum(d)
     return json.dumps(d, indent=1, sort_keys=True)
 
 

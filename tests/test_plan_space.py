@@ -128,8 +128,8 @@ def test_an_unknown_option_in_a_file_is_refused():
     d = json.loads(text)
     d.pop("checksum")
     d["segments"][0]["option"] = "keep_everything"
-    from remat_planner.plan import _checksum
-    d["checksum"] = _checksum(d)
+    from remat_planner.plan import plan_checksum
+    d["checksum"] = plan_checksum(d)
     with pytest.raises(rp.PlanMismatchError, match="unknown keep option 'keep_everything'"):
         Plan.from_json(json.dumps(d))
 

@@ -79,7 +79,7 @@ def test_dots_narrow_plan_gradients_exact_and_cheaper_than_builtin(tiny):
         rule = DOTS_NARROW if DOTS_NARROW in names else DOTS_NO_BATCH if DOTS_NO_BATCH in names else STORE
         o = s.option(rule)
         segments.append(Segment(i, i + 1, o.name, o.saved if rule != STORE else ()))
-    plan = pl._plan_from_segments(an, segments, 0, 0, params, batch)
+    plan = pl.plan_from_segments(an, segments, 0, 0, params, batch)
     planned = plan.apply(wl.loss_fn)
     loss0, g0 = jax.value_and_grad(wl.loss_fn)(params, *batch)
     loss1, g1 = jax.jit(jax.value_and_grad(planned))(params, *batch)

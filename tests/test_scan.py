@@ -68,7 +68,7 @@ def _scan_stage(an) -> int:
 def _plan_with(an, option: str, params, batch) -> Plan:
     k = _scan_stage(an)
     segs = tuple(Segment(i, i + 1, option if i == k else STORE) for i in range(an.chain.n))
-    return planner._plan_from_segments(an, segs, 0, 0, params, batch)
+    return planner.plan_from_segments(an, segs, 0, 0, params, batch)
 
 
 def _assert_grads_equal(got, want):
@@ -179,7 +179,7 @@ def test_unknown_per_iteration_option_is_a_plan_mismatch(analysis, scanned, real
 def test_frontier_is_scheme_cost_of_its_schemes_and_undominated(analysis):
     program = analysis.program
     stack = scan.profile_layer_stack(program, scan.find_layer_scan(program), measure_xla=False)
-    frontier = scan._frontier_schemes(stack)
+    frontier = scan.frontier_schemes(stack)
     points = []
     for scheme, cost in frontier:
         assert scan.scheme_cost(stack, scheme) == cost
@@ -237,7 +237,7 @@ def test_mixed_plans_are_in_the_frontier_and_priced_as_their_layers(analysis):
     assert mixed.keep_bytes == st.length // 2 * (a.keep_bytes + b.keep_bytes)
     assert mixed.recompute_flops == pytest.approx(st.length // 2 * (a.recompute_flops
                                                                      + b.recompute_flops))
-    schemes = {sch.option for sch, _ in scan._frontier_schemes(st)}
+    schemes = {sch.option for sch, _ in scan.frontier_schemes(st)}
     assert any(";" in o for o in schemes)
 
 

@@ -366,7 +366,7 @@ def test_tp_nothing_plan_repeats_no_collective(config, scheme, scanned, tmp_path
 
     def comm(options):
         segs = tuple(Segment(i, i + 1, o) for i, o in enumerate(options))
-        p = pl._plan_from_segments(an, segs, 0, 0, wl.abstract_params, wl.abstract_batch)
+        p = pl.plan_from_segments(an, segs, 0, 0, wl.abstract_params, wl.abstract_batch)
         return rp.measure(p.apply(wl.loss_fn), wl.abstract_params, wl.abstract_batch, opt,
                           sharding=an.sharding).communication
 

@@ -15,9 +15,9 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from remat_planner.graph import build_cost_graph
-from remat_planner.memory import (ChainModel, KeepOption, StageProfile, _recompute_forward_cost,
-                                  leaf_bwd_peak, leaf_fwd_peak, profile_stages, region_fwd_peak,
-                                  segment_keep, simulate, timeline)
+from remat_planner.memory import (ChainModel, KeepOption, StageProfile, leaf_bwd_peak,
+                                  leaf_fwd_peak, profile_stages, region_fwd_peak, segment_keep,
+                                  simulate, timeline)
 from remat_planner.plan import DOTS, NOTHING, STORE, Plan, Segment, StageInfo, validate_segments
 from remat_planner.solve import ChainSolver, brute_force, enumerate_plans
 from remat_planner.trace import trace
@@ -441,7 +441,7 @@ def _simulate_input_held_once(chain: ChainModel, segments, live: int = 0,
                               inside: bool = False) -> tuple[int, float]:
     """memory.simulate written out for `uniform_chain`, where a region's first child (a
     `nothing` leaf keeping the region's input, or a region over the same input) holds
-    nothing beyond what the region holds: an independent check of memory._run's
+    nothing beyond what the region holds: an independent check of memory.simulate's
     bookkeeping."""
     peak, cost, kept = live, 0.0, []
     for idx, seg in enumerate(segments):
@@ -452,7 +452,7 @@ def _simulate_input_held_once(chain: ChainModel, segments, live: int = 0,
         held = inside and idx == 0 and (seg.children or seg.option == NOTHING)
         live += 0 if held else segment_keep(chain, seg)
         if inside:
-            cost += _recompute_forward_cost(chain, seg, last=idx == len(segments) - 1)
+            cost += _forward_in_recompute(chain, seg, last=idx == len(segments) - 1)
     for idx in reversed(range(len(segments))):
         seg, before = segments[idx], kept[idx]
         if seg.children:
@@ -464,6 +464,22 @@ def _simulate_input_held_once(chain: ChainModel, segments, live: int = 0,
             peak = max(peak, before + leaf_bwd_peak(chain, seg.start))
             cost += chain.stages[seg.start].option(seg.option).recompute_flops
     return peak, cost
+
+
+def _forward_in_recompute(chain: ChainModel, seg, last: bool) -> float:
+    """FLOPs a region's recomputation spends on child `seg`'s forward, written out for
+    `uniform_chain`: a child that is not last runs its whole forward (the next child reads
+    its output); the last runs only what its kept values need (JAX's partial evaluation
+    drops the rest): nothing for a region, which keeps only its input, and for a stage
+    the forward its backward needs (what `nothing` recomputes) less what its own option
+    recomputes in the backward anyway."""
+    if not last:
+        return sum(chain.stages[j].flops for j in range(seg.start, seg.stop))
+    if seg.children:
+        return 0.0
+    stage = chain.stages[seg.start]
+    return max(0.0, stage.option(NOTHING).recompute_flops
+               - stage.option(seg.option).recompute_flops)
 
 
 def test_plan_space_holds_revolve_schedules():

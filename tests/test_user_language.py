@@ -245,16 +245,20 @@ def test_piped_output_cuts_no_cell(capsys):
     for name in ("GPT2/h_3 (ln_2, mlp)", "loss (softmax cross-entropy)",
                  "of which live only in their stage's backward", "plan: XLA-verified peak"):
         assert name in out, name
-    from rich.table import Table
+    # A built-in's name long enough that its table (six columns) needs some 150 columns:
+    # piped (capsys's stdout is not a terminal), the console is wide enough for it, where
+    # rich's default of 80 columns would fold or cut the name.
+    import dataclasses
 
-    from remat_planner.cli import _cols, _console
-    console = _console()  # capsys's stdout is not a terminal
-    assert console.width >= 160
-    t = Table()
-    _cols(t, "policy", "peak", left=("policy",))
-    t.add_row("dots_with_no_batch_dims_saveable_and_then_some_more_words", "17.97 MiB")
-    console.print(t)
-    assert "dots_with_no_batch_dims_saveable_and_then_some_more_words" in capsys.readouterr().out
+    from remat_planner.cli import print_frontier
+    long = "dots_with_no_batch_dims_saveable_and_then_some_more_words"
+    fr = _small_frontier()
+    (cmp_,) = fr.comparisons
+    fr = dataclasses.replace(fr, comparisons=[
+        dataclasses.replace(cmp_, builtin=dataclasses.replace(cmp_.builtin, label=long))])
+    print_frontier(fr, DEFAULT_UNITS)
+    out = capsys.readouterr().out
+    assert long in out and "…" not in out
 
 
 # ------------------------------------------------------------------------------------------
@@ -353,7 +357,7 @@ def test_frontier_md_and_png_axis_share_the_family(monkeypatch, tmp_path, capsys
     import matplotlib.pyplot as plt
 
     from remat_planner import frontier as fr_mod
-    from remat_planner.cli import _print_frontier
+    from remat_planner.cli import print_frontier
     fr = _small_frontier()
     md = fr_mod.markdown(fr, "remat-plan frontier ...", units)
     other = "MiB" if unit == "MB" else " MB"
@@ -370,7 +374,7 @@ def test_frontier_md_and_png_axis_share_the_family(monkeypatch, tmp_path, capsys
     assert ax.get_xlabel() == f"XLA peak of the training step ({unit})"
     star = [l for l in ax.get_lines() if l.get_marker() == "*"]
     assert star and f"{star[0].get_xdata()[0]:.2f} {unit}" == shown  # the knee sits where the .md says
-    _print_frontier(fr, units)
+    print_frontier(fr, units)
     out = capsys.readouterr().out
     assert f" {unit}" in out and other not in out and "…" not in out
     assert "dots_with_no_batch_dims_saveable" in out
