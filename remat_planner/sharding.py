@@ -283,6 +283,34 @@ def step_shardings(spec: ShardingSpec, params, batch, optimizer=None) -> StepSha
     return StepShardings(mesh, named(p_specs), named(batch_specs(batch, spec)), opt)
 
 
+def jit_kwargs(step, params, batch) -> dict:
+    """`in_shardings` / `out_shardings` for jitting the training step of `step` (a
+    step.Step) under its sharding: params, optimizer state and batch as the scheme says,
+    the loss replicated, aux left to XLA; {} for an unsharded step. The step's function is
+    verify.make_step's: (params, batch) -> grads or (params, opt_state, batch) -> (params,
+    opt_state, loss), with aux last under `has_aux`."""
+    if step.sharding is None:
+        return {}
+    optimizer = step.optimizer
+    sh = step_shardings(step.sharding, params, batch, optimizer)
+    aux = (None,) if step.has_aux else ()
+    if optimizer is None:
+        return dict(in_shardings=(sh.params, sh.batch),
+                    out_shardings=(sh.params, None) if step.has_aux else sh.params)
+    return dict(in_shardings=(sh.params, sh.opt_state, sh.batch),
+                out_shardings=(sh.params, sh.opt_state, sh.replicated, *aux))
+
+
+def plan_layout(spec: ShardingSpec | None, plan) -> ShardingSpec | None:
+    """The layout a step following `plan` runs in: the plan's own (with the kernels it
+    keeps replicated) where `spec` is none or the same mesh and scheme, else `spec`."""
+    made_for = plan.sharding if plan is not None else None
+    if made_for is not None and (spec is None or dataclasses.replace(spec, replicated=())
+                                 == dataclasses.replace(made_for, replicated=())):
+        return made_for
+    return spec
+
+
 def per_device_bytes(tree, shardings) -> int:
     """Bytes of one device's shards of `tree` (leaves: arrays or ShapeDtypeStructs)."""
     total = 0
@@ -579,14 +607,30 @@ def _propagate(program, origin: dict[int, P], source: frozenset[int] = frozenset
     return frozenset(pinned), escapes
 
 
-def with_unpaired(spec: ShardingSpec, loss_fn, params, batch, has_aux: bool = False
-                  ) -> ShardingSpec:
-    """`spec` with `replicated` set to the unpaired kernels of `loss_fn`'s program (traced
-    on abstract shapes); unchanged without tensor parallelism."""
-    if spec is None or spec.model_axis is None:
+def with_unpaired(step, params, batch) -> ShardingSpec | None:
+    """The sharding of `step` (a step.Step) with `replicated` set to the unpaired kernels
+    of its loss's program (traced on abstract shapes): the tp layout the planner and the
+    built-in policies it is compared with share. Unchanged without tensor parallelism, or
+    where `replicated` is set already."""
+    spec = step.sharding
+    if spec is None or spec.model_axis is None or spec.replicated:
         return spec
-    program = trace(loss_fn, params, *as_batch(batch), has_aux=has_aux)
+    program = trace(step.loss_fn, params, *as_batch(batch), has_aux=step.has_aux)
+    return with_unpaired_kernels(spec, program, params)
+
+
+def with_unpaired_kernels(spec: ShardingSpec | None, program, params) -> ShardingSpec | None:
+    """`spec` with `replicated` set to the unpaired kernels of the traced `program`
+    (unpaired_kernels); unchanged without tensor parallelism, or where it is set already."""
+    if spec is None or spec.model_axis is None or spec.replicated:
+        return spec
     return dataclasses.replace(spec, replicated=unpaired_kernels(program, params, spec))
+
+
+def check_devices(spec: ShardingSpec | None) -> None:
+    """ConfigError unless JAX sees the devices `spec`'s mesh needs (nothing unsharded)."""
+    if spec is not None:
+        spec.mesh()
 
 
 def unpaired_kernels(program, params, spec: ShardingSpec) -> tuple[str, ...]:

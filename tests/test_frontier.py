@@ -25,6 +25,7 @@ from remat_planner.config import build_workload, load_config, make_optimizer
 from remat_planner.constants import MAX_COMPILES, MIN_POINTS
 from remat_planner.frontier import sweep_budgets
 from remat_planner.maxbatch import Probe, builtin_probe, largest_fitting
+from remat_planner.step import Step
 from remat_planner.verify import measure, step_digest
 
 # Whole-step compiles at several budgets: left out of the README's test command, run by
@@ -233,7 +234,7 @@ def test_per_block_plans_share_the_builtins_programs(frontier_run, two_layer):
     wl, opt = build_workload(cfg), make_optimizer(cfg.optimizer)
     P, B = wl.abstract_params, wl.abstract_batch
     an = pl.analyze(wl.loss_fn, P, B, opt, calibrate=False)
-    digests = {name: step_digest(baselines.builtin_loss(name, wl.loss_fn, P, B), P, B, opt)
+    digests = {name: step_digest(baselines.builtin_loss(name, Step(wl.loss_fn), P, B), P, B, opt)
                for name in baselines.POLICIES}
     assert len(set(digests.values())) == len(digests)  # three different programs
     assert step_digest(wl.loss_fn, P, B, opt) not in digests.values()
@@ -288,10 +289,10 @@ def test_sweep_shots_aim_below_the_budget_by_the_last_error(two_layer):
     assert fr_mod._aim(wl, opt, an, later, costs, skip)[2] is False
     # Flat: the model's plan recomputes less than the cheapest measured within the budget
     # by under FLAT_GAIN of the step (both by the model).
-    have = pl._cheapest_verified(an, later + over, opt, P, B, costs)
+    have = pl._cheapest_verified(an, later + over, Step(wl.loss_fn, opt), P, B, costs)
     nxt, _, need = fr_mod._aim(wl, opt, an, later + over, costs, skip)
     gain = have.recompute_overhead - nxt.recompute_overhead
-    assert need == (gain >= fr_mod.FLAT_GAIN and pl._cached_measurement(an, nxt, opt) is None)
+    assert need == (gain >= fr_mod.FLAT_GAIN and pl._cached_measurement(an, nxt, Step(wl.loss_fn, opt)) is None)
 
 
 def test_sweep_threads_only_with_a_core_free(monkeypatch):
