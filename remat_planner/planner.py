@@ -28,8 +28,8 @@ from .graph import jaxpr_bytes, jaxpr_flops
 from .memory import (ChainModel, FixedMemory, StageProfile, fixed_memory, per_parameter_update,
                      profile_stages, scale_chain, simulate, stage_gradient_bytes,
                      weighted_chain, with_gathered_weights, with_stage_gradients)
-from .sharding import (ShardingSpec, check_devices, collective_outputs, gathered_params,
-                       with_unpaired, with_unpaired_kernels)
+from .sharding import (ShardingSpec, batch_share, check_devices, collective_outputs,
+                       gathered_bytes, rebuilds_scan, with_unpaired, with_unpaired_kernels)
 from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, SCAN_PREFIX, STORE, Plan,
                    ScanOption, Segment, StageInfo, is_scan_option)
 from .solve import ChainSolver, Solution
@@ -170,16 +170,16 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
         # one device's share of the batch; what tensor parallelism splits further, the
         # gathered weight slices and the kept collective outputs are left to the
         # calibration compiles, which are the sharded step's (_calibrate_scan)
-        scanned = scan.scaled(scanned, 1.0 / spec.data_size)
+        scanned = scan.scaled(scanned, batch_share(spec))
     if scanned is not None:  # the layers are one scan: a stage whose options are scan schemes
         cost, chain = scanned.cost, scanned.chain
     else:
         chain = profile_stages(program, cost, measure_xla=measure_xla, progress=say,
                                pinned=pinned, profiles=profiles)
         if spec is not None:  # one device's share of the batch (calibration fits the rest)
-            chain = scale_chain(chain, 1.0 / spec.data_size)
-            gathered = {v: b for v, (_, b) in gathered_params(program, params, spec).items()}
-            chain = with_gathered_weights(chain, program, cost, gathered)
+            chain = scale_chain(chain, batch_share(spec))
+            chain = with_gathered_weights(chain, program, cost,
+                                          gathered_bytes(program, params, spec))
     if optimizer is not None and spec is None and per_parameter_update(optimizer, params):
         # Each stage's own gradients live through its backward only (docs/jax-facts.md, fact 3).
         staged = stage_gradient_bytes(program, cost)
@@ -255,7 +255,7 @@ def _calibrate_scan(an: Analysis, scanned: "scan.ScanChain", params, batch, say)
                  for i in range(n))
     ckpt_step = step.planned(_plan_from_segments(an, ckpt, 0, 0, params, batch))
     base = step
-    if an.sharding is not None and an.sharding.scheme != "dp":
+    if rebuilds_scan(an.sharding):
         # The unplanned step as plans run it: the scan rebuilt with every sub-stage stored,
         # its weight slices gathered per iteration and its collective outputs tagged
         # (apply.run_scheme), so that plans differ from it by their recomputation alone.

@@ -311,6 +311,44 @@ def plan_layout(spec: ShardingSpec | None, plan) -> ShardingSpec | None:
     return spec
 
 
+def per_device_fixed(spec: ShardingSpec, params, batch, optimizer=None
+                     ) -> tuple[tuple[int, int, int, int], StepShardings]:
+    """One device's bytes of what the sharded step holds throughout, (parameters,
+    gradients of the floating parameters, optimizer state, batch), each tensor its shard
+    (gradients are sharded like their parameters); and the step's shardings
+    (memory.fixed_memory builds its FixedMemory from them)."""
+    sh = step_shardings(spec, params, batch, optimizer)
+    p_leaves = jax.tree.leaves(params)
+    s_leaves = jax.tree.leaves(sh.params, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    floating = [(l, s) for l, s in zip(p_leaves, s_leaves)
+                if jax.dtypes.issubdtype(l.dtype, np.inexact)]
+    grads = per_device_bytes([l for l, _ in floating], [s for _, s in floating])
+    opt_bytes = 0
+    if optimizer is not None:
+        opt_state = jax.eval_shape(optimizer.init, params)
+        opt_bytes = per_device_bytes(opt_state, sh.opt_state)
+    return (per_device_bytes(params, sh.params), grads, opt_bytes,
+            per_device_bytes(tuple(batch), sh.batch)), sh
+
+
+def update_jit_kwargs(shardings: StepShardings | None) -> dict:
+    """`in_shardings` / `out_shardings` of the optimizer update alone, (grads, opt_state,
+    params) -> (params, opt_state), under a step's shardings: one device's workspace of the
+    sharded update; {} unsharded."""
+    if shardings is None:
+        return {}
+    return dict(in_shardings=(shardings.params, shardings.opt_state, shardings.params),
+                out_shardings=(shardings.params, shardings.opt_state))
+
+
+def batch_share(spec: ShardingSpec | None) -> float:
+    """One device's share of the batch, and so of the activations the memory model
+    profiles on the whole batch: 1 / the data axes' size (1.0 unsharded). What tensor
+    parallelism splits further is left to the calibration compiles, which are the sharded
+    step's."""
+    return 1.0 if spec is None else 1.0 / spec.data_size
+
+
 def per_device_bytes(tree, shardings) -> int:
     """Bytes of one device's shards of `tree` (leaves: arrays or ShapeDtypeStructs)."""
     total = 0
@@ -753,6 +791,55 @@ def gathered_params(program, params, spec: ShardingSpec) -> dict[int, tuple[P, i
                       for n, ax in zip(aval.shape, list(g) + [None] * (len(aval.shape) - len(g))))
         out[vid] = (g, nbytes(jax.ShapeDtypeStruct(shard, aval.dtype)))
     return out
+
+
+def gathered_bytes(program, params, spec: ShardingSpec | None) -> dict[int, int]:
+    """Under fsdp: parameter value id -> one device's bytes of its all-gathered weight
+    (gathered_params), what a checkpointed segment keeps (memory.with_gathered_weights);
+    {} otherwise."""
+    return {v: b for v, (_, b) in gathered_params(program, params, spec).items()}
+
+
+def gather_shardings(program, params, spec: ShardingSpec | None) -> dict:
+    """Under fsdp: parameter value id -> NamedSharding of the all-gathered weight, what a
+    checkpointed segment gathers once at its start and keeps by name (apply.run_segments);
+    {} otherwise."""
+    if spec is None:
+        return {}
+    gathered = gathered_params(program, params, spec)
+    if not gathered:
+        return {}
+    mesh = spec.mesh()
+    return {vid: NamedSharding(mesh, g) for vid, (g, _) in gathered.items()}
+
+
+def rebuilds_scan(spec: ShardingSpec | None) -> bool:
+    """Whether a layer-stack scan is rebuilt with per-iteration gathers and pins under
+    `spec` (fsdp or tp: scan_layout); under dp, or unsharded, the scan runs as XLA lays
+    it out."""
+    return spec is not None and spec.scheme != "dp"
+
+
+def scan_layout(program, params, spec: ShardingSpec | None):
+    """Under fsdp or tp: (the ShardingSpec, parameter value id -> its PartitionSpec), what a
+    layer-stack scan needs to gather its weight slices and keep its collective outputs
+    (scan_iteration, apply.run_scheme); None otherwise."""
+    if not rebuilds_scan(spec):
+        return None
+    return spec, program_param_specs(program, params, spec)
+
+
+def scan_iteration(eqn, body_program, layout):
+    """(regather, pinned, pin_carry) for the iterations of the layer-stack scan `eqn`
+    under `layout` (scan_layout's): the body inputs whose weight slices each sub-stage
+    all-gathers, the body values produced by tensor-parallel collectives
+    (scan_body_shardings), and the function constraining the carry (carry_constraint, or
+    None). (None, frozenset(), None) without a layout."""
+    if layout is None:
+        return None, frozenset(), None
+    spec, specs = layout
+    regather, pinned = scan_body_shardings(eqn, body_program, specs, spec)
+    return regather, pinned, carry_constraint(spec)
 
 
 def shard_arrays(params, batch, opt_state=None, *, optimizer=None, mesh=None, sharding=None):
