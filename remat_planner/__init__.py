@@ -26,7 +26,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Analysis", "BudgetError", "ConfigError", "FlaxExport", "InfeasibleBudgetError",
     "Measurement", "Plan", "PrimitivePolicy", "export_flax", "module_plan",
-    "PlanMismatchError", "RematPlannerError", "Segment", "ShardingSpec", "Step", "UnsupportedModelError",
+    "PlanMismatchError", "RematPlannerError", "Segment", "ShardingSpec", "Step",
+    "UnsupportedModelError",
     "analyze", "dots_narrow_saveable", "format_bytes", "measure", "measure_builtin_policies", "parse_budget", "plan",
     "shard_arrays", "train_step",
 ]

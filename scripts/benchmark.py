@@ -105,7 +105,8 @@ def build_variants(wl, opt, args, say) -> tuple[list[Variant], pl.Analysis]:
 
     add("no remat", wl.loss_fn, base["no_remat"])
     for name in baselines.POLICIES:
-        add(name, baselines.builtin_loss(name, Step(wl.loss_fn, has_aux=wl.has_aux), P, B), base[name])
+        point = Step(wl.loss_fn, has_aux=wl.has_aux)
+        add(name, baselines.builtin_loss(name, point, P, B), base[name])
     budgets = [] if args.no_policy_budgets else [
         (f"at {name} peak", base[name].peak_bytes) for name in baselines.POLICIES]
     low, high = an.min_feasible_budget(), base["no_remat"].peak_bytes

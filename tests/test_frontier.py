@@ -292,7 +292,8 @@ def test_sweep_shots_aim_below_the_budget_by_the_last_error(two_layer):
     have = pl._cheapest_verified(an, later + over, Step(wl.loss_fn, opt), P, B, costs)
     nxt, _, need = fr_mod._aim(wl, opt, an, later + over, costs, skip)
     gain = have.recompute_overhead - nxt.recompute_overhead
-    assert need == (gain >= fr_mod.FLAT_GAIN and pl._cached_measurement(an, nxt, Step(wl.loss_fn, opt)) is None)
+    step = Step(wl.loss_fn, opt)
+    assert need == (gain >= fr_mod.FLAT_GAIN and pl._cached_measurement(an, nxt, step) is None)
 
 
 def test_sweep_threads_only_with_a_core_free(monkeypatch):
