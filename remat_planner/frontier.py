@@ -574,7 +574,7 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
                 # Measured on the worker: planner.plan finds it measured, the point
                 # counts it.
                 step(what(budget, kind, i))
-                top_new = pl._cached_measurement(an, top, optimizer) is None
+                top_new = pl._cached_measurement(an, top, _step(wl, optimizer, an)) is None
                 if top_new and top_m is not None:
                     an.verified[(top.segments, optimizer)] = top_m
                 pt = _plan_point(wl, optimizer, an, budget, label(kind, i), nf, say,
