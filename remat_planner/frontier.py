@@ -330,7 +330,7 @@ def _measure_builtin(name: str, wl, optimizer, programs: dict | None = None):
     its step's program is entered in `programs` (verify.measure)."""
     P, B, step = wl.abstract_params, wl.abstract_batch, Step(wl.loss_fn, optimizer, wl.has_aux)
     loss, how = baselines.builtin_point(name, step, P, B)
-    return loss, how, measure_step(step.with_loss(loss), P, B, programs)
+    return loss, how, measure_step(step.with_loss(loss), P, B, programs=programs)
 
 
 def _measure_alone(an, p, wl, optimizer):
@@ -342,8 +342,8 @@ def _measure_alone(an, p, wl, optimizer):
         hash((p.segments, optimizer))
     except TypeError:
         return None
-    return measure_step(_step(wl, optimizer, an).planned(p), wl.abstract_params,
-                        wl.abstract_batch)
+    return pl.measure_step(_step(wl, optimizer, an).planned(p), wl.abstract_params,
+                           wl.abstract_batch)
 
 
 def _measure_per_block(wl, optimizer, an, costs,

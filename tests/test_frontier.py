@@ -74,8 +74,8 @@ def frontier_run(tmp_path_factory, two_layer):
         return m
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pl, "measure", counting("planner", pl.measure))
-        mp.setattr(fr_mod, "measure", counting("builtin", fr_mod.measure))
+        mp.setattr(pl, "measure_step", counting("planner", pl.measure_step))
+        mp.setattr(fr_mod, "measure_step", counting("builtin", fr_mod.measure_step))
         mp.setattr(fr_mod, "THREADS", True)  # the worker thread's path, whatever the load
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             code = main(["frontier", two_layer, "--out", str(out), "--json"])
@@ -327,8 +327,8 @@ def test_plan_max_compiles_caps_one_call(two_layer):
     budget = (an.min_feasible_budget() + 3 * an.noremat.peak_bytes) // 4
     calls = []
     with pytest.MonkeyPatch.context() as mp:
-        real = pl.measure
-        mp.setattr(pl, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
+        real = pl.measure_step
+        mp.setattr(pl, "measure_step", lambda *a, **k: calls.append(1) or real(*a, **k))
         try:
             p = pl.plan(wl.loss_fn, P, B, budget, opt, analysis=an, max_compiles=1)
             assert p.metadata["compiles"] == 1 and p.measured_peak_bytes <= budget
