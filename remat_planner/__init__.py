@@ -17,6 +17,7 @@ from .plan import Plan, Segment
 from .policies import dots_narrow_saveable
 from .planner import Analysis, analyze, measure_builtin_policies, plan
 from .sharding import ShardingSpec, shard_arrays
+from .step import Step
 from .units import format_bytes
 from .verify import Measurement, measure, train_step
 
@@ -25,7 +26,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Analysis", "BudgetError", "ConfigError", "FlaxExport", "InfeasibleBudgetError",
     "Measurement", "Plan", "PrimitivePolicy", "export_flax", "module_plan",
-    "PlanMismatchError", "RematPlannerError", "Segment", "ShardingSpec", "UnsupportedModelError",
+    "PlanMismatchError", "RematPlannerError", "Segment", "ShardingSpec", "Step",
+    "UnsupportedModelError",
     "analyze", "dots_narrow_saveable", "format_bytes", "measure", "measure_builtin_policies", "parse_budget", "plan",
     "shard_arrays", "train_step",
 ]

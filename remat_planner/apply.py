@@ -25,8 +25,7 @@ from .graph import definitions, find_blocks, last_uses
 from .memory import ChainModel, make_segment_fn, stage_io, value_name
 from .plan import KeepRule, Plan, ScanOption, ScanScheme, Segment, Store, layer_policies
 from .scan import Body, body_chain, layer_body, parse_plan, whole_body_chain
-from .sharding import (carry_constraint, gathered_params, program_param_specs,
-                       scan_body_shardings)
+from .sharding import gather_shardings, scan_iteration, scan_layout
 from .trace import Literal, Program, eval_range, trace
 
 
@@ -73,37 +72,13 @@ def apply_plan(plan: Plan, loss_fn: Callable, has_aux: bool | None = None) -> Ca
         env = program.bind(leaves)
         pinned = frozenset(plan.pinned)
         run_segments(program, plan, plan.segments, env, last, defs, pinned,
-                     _gathers(plan, program, params),
-                     scan_sharding=_scan_sharding(plan, program, params))
+                     gather_shardings(program, params, plan.sharding),
+                     scan_sharding=scan_layout(program, params, plan.sharding))
         return program.output(env)
 
     planned_loss.__name__ = f"planned_{getattr(loss_fn, '__name__', 'loss')}"
     planned_loss.__doc__ = f"{getattr(loss_fn, '__name__', 'loss_fn')} with remat plan applied."
     return planned_loss
-
-
-def _gathers(plan: Plan, program: Program, params) -> dict:
-    """Under fsdp: parameter value id -> NamedSharding of the all-gathered weight."""
-    spec = plan.sharding
-    if spec is None:
-        return {}
-    from jax.sharding import NamedSharding
-
-    gathered = gathered_params(program, params, spec)
-    if not gathered:
-        return {}
-    mesh = spec.mesh()
-    return {vid: NamedSharding(mesh, g) for vid, (g, _) in gathered.items()}
-
-
-def _scan_sharding(plan: Plan, program: Program, params):
-    """Under fsdp or tp: (the ShardingSpec, parameter value id -> its PartitionSpec), what a
-    layer-stack scan needs to gather its weight slices and keep its collective outputs
-    (run_scheme); None otherwise."""
-    spec = plan.sharding
-    if spec is None or spec.scheme == "dp":
-        return None
-    return spec, program_param_specs(program, params, spec)
 
 
 def gather_name(vid: int) -> str:
@@ -419,16 +394,12 @@ def run_stage(program: Program, lo: int, hi: int, option: ScanScheme | str, env:
 def run_scheme(program: Program, index: int, option: ScanScheme | str, env: dict,
                scan_sharding=None) -> None:
     """Evaluate the scan at equation `index` on `env` following scheme `option`; with
-    `scan_sharding` (ShardingSpec, parameter specs by id: fsdp or tp), each iteration
-    gathers its weight slices and keeps its collective outputs (body_step), and under tp
-    its carry is replicated over `model` (sharding.carry_constraint)."""
+    `scan_sharding` (sharding.scan_layout's: fsdp or tp), each iteration gathers its
+    weight slices and keeps its collective outputs (body_step), and under tp its carry is
+    replicated over `model` (sharding.scan_iteration)."""
     eqn = program.eqns[index]
     body = layer_body(eqn)
-    regather, pinned, pin_carry = None, frozenset(), None
-    if scan_sharding is not None:
-        regather, pinned = scan_body_shardings(eqn, body.program, scan_sharding[1],
-                                               scan_sharding[0])
-        pin_carry = carry_constraint(scan_sharding[0])
+    regather, pinned, pin_carry = scan_iteration(eqn, body.program, scan_sharding)
     scheme = option if isinstance(option, ScanScheme) else ScanScheme.parse(option)
     if scheme.length != body.length:
         raise PlanMismatchError(f"scan scheme {scheme.label()!r} covers {scheme.length} iterations, the "

@@ -34,7 +34,8 @@ from .apply import block_ranges, run_with_policy
 from .graph import definitions, last_uses
 from .memory import make_segment_fn, stage_io
 from .trace import Literal, eval_range, trace
-from .verify import Measurement, as_batch, measure
+from .step import Step
+from .verify import Measurement, as_batch, measure_step
 
 NO_REMAT = "no_remat"
 SQRT_N = "sqrt_n_grouping"
@@ -168,12 +169,13 @@ class BuiltinPoint(NamedTuple):
     grouping: str
 
 
-def builtin_point(name: str, loss_fn: Callable, params, batch: Sequence,
-                  has_aux: bool = False) -> BuiltinPoint:
-    """The comparison point `name` (one of NAMES): `loss_fn` as written, with the built-in
-    policy POLICIES[name] per block, or with sqrt(n) grouping; and a description of its
-    grouping ("no checkpoint", "per block", or sqrt_grouping_loss's)."""
+def builtin_point(name: str, step: Step, params, batch: Sequence) -> BuiltinPoint:
+    """The comparison point `name` (one of NAMES) of `step` (a step.Step): its loss as
+    written, with the built-in policy POLICIES[name] per block, or with sqrt(n) grouping;
+    and a description of its grouping ("no checkpoint", "per block", or
+    sqrt_grouping_loss's)."""
     batch = as_batch(batch)
+    loss_fn, has_aux = step.loss_fn, step.has_aux
     if name == NO_REMAT:
         return BuiltinPoint(loss_fn, "no checkpoint")
     if name == SQRT_N:
@@ -184,16 +186,14 @@ def builtin_point(name: str, loss_fn: Callable, params, batch: Sequence,
                         "per block")
 
 
-def builtin_loss(name: str, loss_fn: Callable, params, batch: Sequence,
-                 has_aux: bool = False) -> Callable:
-    """The comparison point `name` (one of NAMES) as a loss function."""
-    return builtin_point(name, loss_fn, params, batch, has_aux).loss
+def builtin_loss(name: str, step: Step, params, batch: Sequence) -> Callable:
+    """The comparison point `name` (one of NAMES) of `step` as a loss function."""
+    return builtin_point(name, step, params, batch).loss
 
 
-def measure_builtin(name: str, loss_fn: Callable, params, batch, optimizer=None,
-                    has_aux: bool = False, sharding=None,
+def measure_builtin(name: str, step: Step, params, batch,
                     programs: dict | None = None) -> Measurement:
-    """XLA's peak and FLOPs of the step with comparison point `name` (per device under
-    `sharding`; `programs` as verify.measure takes it)."""
-    return measure(builtin_loss(name, loss_fn, params, batch, has_aux), params, batch,
-                   optimizer, has_aux, sharding=sharding, programs=programs)
+    """XLA's peak and FLOPs of `step` with comparison point `name` (per device under its
+    sharding; `programs` as verify.measure takes it)."""
+    return measure_step(step.with_loss(builtin_loss(name, step, params, batch)), params,
+                        batch, programs)

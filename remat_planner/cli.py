@@ -296,8 +296,8 @@ def _load(args):
         # the tp layout (which kernels stay replicated) once, for the planner and the
         # built-in policies it is compared with alike
         from .sharding import with_unpaired
-        args.spec = with_unpaired(args.spec, wl.loss_fn, wl.abstract_params,
-                                  wl.abstract_batch, wl.has_aux)
+        args.spec = with_unpaired(_step(wl, None, args.spec), wl.abstract_params,
+                                  wl.abstract_batch)
     args.saved_plan = None
     if getattr(args, "plan", None):
         args.saved_plan = _saved_plan(args.plan, wl, args.spec)
@@ -342,18 +342,24 @@ def _saved_plan(path: str, wl, spec):
     return plan
 
 
-def _verify_saved(plan, wl, optimizer, budget: int, spec, verify: bool = True):
-    """A saved plan held against `budget`: XLA's peak and FLOPs of the planned step."""
+def _step(wl, optimizer, spec):
+    """The training step of workload `wl` (step.Step) with `optimizer`, sharded by `spec`."""
+    from .step import Step
+    return Step(wl.loss_fn, optimizer, wl.has_aux, spec)
+
+
+def _verify_saved(plan, wl, step, budget: int, verify: bool = True):
+    """A saved plan held against `budget`: XLA's peak and FLOPs of `step` (a step.Step
+    of workload `wl`) planned by it."""
     import dataclasses
 
-    from .verify import measure
+    from .verify import measure_step
     plan = dataclasses.replace(plan, budget_bytes=int(budget),
                                metadata={**plan.metadata,
                                          "saved_budget_bytes": plan.budget_bytes})
     if not verify:
         return dataclasses.replace(plan, measured_peak_bytes=None, measured_flops=None)
-    m = measure(plan.apply(wl.loss_fn, wl.has_aux), wl.abstract_params, wl.abstract_batch,
-                optimizer, wl.has_aux, sharding=spec)
+    m = measure_step(step.planned(plan), wl.abstract_params, wl.abstract_batch)
     return dataclasses.replace(plan, measured_peak_bytes=m.peak_bytes, measured_flops=m.flops)
 
 
@@ -365,7 +371,8 @@ def _saved_or_new_plan(args, cfg, wl, optimizer, budget, verify, say):
         an = pl.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, optimizer,
                         calibrate=verify, progress=say, has_aux=wl.has_aux, sharding=args.spec)
         say(f"verifying the saved plan {args.plan} with XLA")
-        return an, _verify_saved(args.saved_plan, wl, optimizer, budget, args.spec, verify)
+        return an, _verify_saved(args.saved_plan, wl, _step(wl, optimizer, args.spec), budget,
+                                 verify)
     return _analyze_and_plan(wl, optimizer, budget, verify, say, args.spec,
                              _cost_model(args, cfg))
 
@@ -410,7 +417,7 @@ def _analyze_and_plan(wl, optimizer, budget: int, verify: bool, say, spec=None,
 
 def _plan(args) -> int:
     from . import baselines as bl
-    from .verify import measure
+    from .verify import measure_step
 
     err = _console(stderr=True)
     cfg, wl, optimizer, budget = _load(args)
@@ -424,10 +431,10 @@ def _plan(args) -> int:
     futures = {}
     if pool is not None:
         for name in bl.POLICIES:
-            loss = bl.builtin_loss(name, wl.loss_fn, wl.abstract_params, wl.abstract_batch,
-                                   wl.has_aux)
-            futures[name] = pool.submit(measure, loss, wl.abstract_params, wl.abstract_batch,
-                                        optimizer, wl.has_aux, sharding=args.spec)
+            step = _step(wl, optimizer, args.spec)
+            loss = bl.builtin_loss(name, step, wl.abstract_params, wl.abstract_batch)
+            futures[name] = pool.submit(measure_step, step.with_loss(loss), wl.abstract_params,
+                                        wl.abstract_batch)
     try:
         an, plan = _saved_or_new_plan(args, cfg, wl, optimizer, budget, verify, say)
         baselines = {}
@@ -635,7 +642,6 @@ def _print_report(report: dict, plan, an, units, plan_file: str | None = None) -
 def _explain(args) -> int:
     import os
 
-    from . import planner as pl
     from .explain import explain, flax_names, plot_memory
 
     cfg, wl, optimizer, budget = _load(args)
@@ -749,7 +755,7 @@ def _train(args) -> int:
     fb = args.units.format
     if args.saved_plan is not None:
         with console.status(f"verifying the saved plan {args.plan} with XLA"):
-            plan = _verify_saved(args.saved_plan, wl, optimizer, budget, args.spec)
+            plan = _verify_saved(args.saved_plan, wl, _step(wl, optimizer, args.spec), budget)
         if not plan.fits():
             raise _over_budget(args, plan, "")
     else:
@@ -822,8 +828,6 @@ def _progress_bar(console, enabled: bool, total: int | None):
 def _frontier(args) -> int:
     import os
 
-    from rich.console import Console
-
     from . import frontier as fr_mod
     from .units import DEFAULT_UNITS
     from .config import make_optimizer
@@ -890,8 +894,6 @@ def print_frontier(fr, units) -> None:
 
 
 def _max_batch(args) -> int:
-    from rich.console import Console
-
     from . import baselines
     from .config import build_workload, load_config
     from .errors import ConfigError

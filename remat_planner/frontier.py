@@ -39,7 +39,8 @@ from .constants import (FLAT_GAIN, LOW_END_COMPILES, MAX_COMPILES, MIN_POINTS, R
                         SWEEP_COMPILES)
 from .errors import ConfigError, InfeasibleBudgetError
 from .units import DEFAULT_UNITS, Units
-from .verify import measure
+from .step import Step
+from .verify import measure_step
 
 fb = DEFAULT_UNITS.format  # progress messages; the files take the units they are given
 
@@ -68,7 +69,7 @@ def use_threads() -> bool:
     return load < (os.cpu_count() or 1)
 
 
-Step = Callable[[str], None]
+StepReport = Callable[[str], None]
 
 
 class InlineExecutor:
@@ -264,6 +265,12 @@ def model_error(an, skip) -> int:
     return 0
 
 
+def _step(wl, optimizer, an) -> Step:
+    """The step the sweep plans: `an`'s (has_aux, sharding) with `wl`'s loss and
+    `optimizer`."""
+    return an.step.replace(loss_fn=wl.loss_fn, optimizer=optimizer)
+
+
 def aim(wl, optimizer, an, budget: int, costs=None,
         skip=frozenset()) -> tuple[object, int, bool]:
     """What a sweep point compiles (_shot): the model's plan at `budget` less the model
@@ -277,15 +284,15 @@ def aim(wl, optimizer, an, budget: int, costs=None,
     """
     if costs is None:
         costs = pl._PlanCosts(an, pl.resolve_cost_model(None))
-    P, B = wl.abstract_params, wl.abstract_batch
-    have = pl._cheapest_verified(an, budget, optimizer, P, B, costs)
+    P, B, step = wl.abstract_params, wl.abstract_batch, _step(wl, optimizer, an)
+    have = pl._cheapest_verified(an, budget, step, P, B, costs)
     error = max(0, model_error(an, skip))
     try:
         model = pl.plan(wl.loss_fn, P, B, budget - error, optimizer, analysis=an,
                         verify=False)
     except InfeasibleBudgetError:
         return None, error, False
-    need = pl._cached_measurement(an, model, optimizer) is None and (
+    need = pl._cached_measurement(an, model, step) is None and (
         have is None or have.recompute_overhead - model.recompute_overhead >= FLAT_GAIN)
     return model, error, need
 
@@ -294,15 +301,15 @@ def _settle(wl, optimizer, an, budget: int, label: str, noremat_flops: float, co
             model, error: int, made: int) -> Point:
     """A sweep point's result once its plan is measured (or not, `made` 0): the cheapest
     plan XLA measured in this run within `budget`."""
-    P, B = wl.abstract_params, wl.abstract_batch
-    best = pl._cheapest_verified(an, budget, optimizer, P, B, costs)
+    P, B, step = wl.abstract_params, wl.abstract_batch, _step(wl, optimizer, an)
+    best = pl._cheapest_verified(an, budget, step, P, B, costs)
     if best is None:
         lowest = min((m.peak_bytes for m in an.verified.values()), default=budget)
         return Point("planner", label, budget, None, None, noremat_flops, compiles=made,
                      note=f"infeasible: smallest feasible {lowest:,} bytes",
                      min_feasible_bytes=lowest)
     if model is not None and best.segments == model.segments:
-        m = pl._cached_measurement(an, model, optimizer)
+        m = pl._cached_measurement(an, model, step)
         p = pl._with_measurement(dataclasses.replace(
             model, budget_bytes=budget, predicted_peak_bytes=model.predicted_peak_bytes + error),
             m, verify_rounds=1)
@@ -321,8 +328,8 @@ def _shot(wl, optimizer, an, budget: int, label: str, noremat_flops: float, cost
     budget only. Returns the point and the compiles made (0 or 1)."""
     model, error, need = aim(wl, optimizer, an, budget, costs, skip)
     if need:
-        pl._measure_plan(an, model, wl.loss_fn, wl.abstract_params, wl.abstract_batch,
-                         optimizer)
+        pl._measure_plan(an, model, _step(wl, optimizer, an), wl.abstract_params,
+                         wl.abstract_batch)
     return _settle(wl, optimizer, an, budget, label, noremat_flops, costs, model, error,
                    int(need)), int(need)
 
@@ -330,9 +337,9 @@ def _shot(wl, optimizer, an, budget: int, label: str, noremat_flops: float, cost
 def _measure_builtin(name: str, wl, optimizer, programs: dict | None = None):
     """(loss, how it groups, XLA's measurement) of the built-in comparison point `name`;
     its step's program is entered in `programs` (verify.measure)."""
-    P, B = wl.abstract_params, wl.abstract_batch
-    loss, how = baselines.builtin_point(name, wl.loss_fn, P, B, wl.has_aux)
-    return loss, how, measure(loss, P, B, optimizer, wl.has_aux, programs=programs)
+    P, B, step = wl.abstract_params, wl.abstract_batch, Step(wl.loss_fn, optimizer, wl.has_aux)
+    loss, how = baselines.builtin_point(name, step, P, B)
+    return loss, how, measure_step(step.with_loss(loss), P, B, programs=programs)
 
 
 def _measure_alone(an, p, wl, optimizer):
@@ -344,8 +351,8 @@ def _measure_alone(an, p, wl, optimizer):
         hash((p.segments, optimizer))
     except TypeError:
         return None
-    return pl.measure(p.apply(wl.loss_fn), wl.abstract_params, wl.abstract_batch, optimizer,
-                      an.program.has_aux, sharding=an.sharding)
+    return pl.measure_step(_step(wl, optimizer, an).planned(p), wl.abstract_params,
+                           wl.abstract_batch)
 
 
 def _measure_per_block(wl, optimizer, an, costs,
@@ -361,14 +368,14 @@ def _measure_per_block(wl, optimizer, an, costs,
     another thread): a per-block plan whose step is the same program as a built-in's (it is
     the built-in policy per block, replayed) takes that measurement and is not compiled
     again. Returns (compiles made, plans that took a built-in's measurement)."""
-    P, B = wl.abstract_params, wl.abstract_batch
+    P, B, step = wl.abstract_params, wl.abstract_batch, _step(wl, optimizer, an)
     made = shared = 0
     todo = []
     for segments in pl.per_block_plans(an):
         act, cost = pl.simulate(costs.objective_chain, segments)
         p = pl._make_plan(an, pl.Solution(segments, cost, act), an.noremat.peak_bytes, P, B,
                           0, costs=costs)
-        if pl._cached_measurement(an, p, optimizer) is None:
+        if pl._cached_measurement(an, p, step) is None:
             todo.append(p)
     known = programs() if todo and programs is not None else None
     for p in todo:
@@ -377,11 +384,10 @@ def _measure_per_block(wl, optimizer, an, costs,
             hash(key)
         except TypeError:  # an optimizer that cannot be a dict key: no reuse
             made += 1
-            pl._measure_plan(an, p, wl.loss_fn, P, B, optimizer)
+            pl._measure_plan(an, p, step, P, B)
             continue
         before = len(known) if known is not None else 0
-        an.verified[key] = measure(p.apply(wl.loss_fn), P, B, optimizer, an.program.has_aux,
-                                   sharding=an.sharding, programs=known)
+        an.verified[key] = measure_step(step.planned(p), P, B, programs=known)
         compiled = known is None or len(known) > before
         made += compiled
         shared += not compiled
@@ -400,8 +406,8 @@ def _reuse_verified(wl, optimizer, an, pts: list[Point], noremat_flops: float) -
     for i, pt in enumerate(pts):
         if pt.feasible and pt.predicted_overhead == 0.0:
             continue
-        p = pl._cheapest_verified(an, pt.budget_bytes, optimizer, wl.abstract_params,
-                                  wl.abstract_batch, costs)
+        p = pl._cheapest_verified(an, pt.budget_bytes, _step(wl, optimizer, an),
+                                  wl.abstract_params, wl.abstract_batch, costs)
         if p is None or (pt.feasible and p.measured_flops >= pt.flops - tol):
             continue
         pts[i] = _point(p, pt.label, pt.budget_bytes, noremat_flops, pt.compiles,
@@ -457,15 +463,15 @@ def _shots(wl, optimizer, an, queue, k: int, costs, skip, pool, nf: float, label
         model2, error2, need2 = aim(wl, optimizer, an, budget2, costs, skip)
         if need2 and model2.segments != model.segments:
             pair = (budget2, kind2, i2, model2, error2)
-    P, B = wl.abstract_params, wl.abstract_batch
+    P, B, step = wl.abstract_params, wl.abstract_batch, _step(wl, optimizer, an)
     later = pool.submit(_measure_alone, an, pair[3], wl, optimizer) if pair else None
     if need:
-        pl._measure_plan(an, model, wl.loss_fn, P, B, optimizer)
+        pl._measure_plan(an, model, step, P, B)
     out = []
     if later is not None:
         m2 = later.result()
         if m2 is None:  # an optimizer that cannot be a dict key
-            pl._measure_plan(an, pair[3], wl.loss_fn, P, B, optimizer)
+            pl._measure_plan(an, pair[3], step, P, B)
         else:
             an.verified.setdefault((pair[3].segments, optimizer), m2)
     out.append((kind, i, _settle(wl, optimizer, an, budget, label(kind, i), nf, costs,
@@ -478,7 +484,7 @@ def _shots(wl, optimizer, an, queue, k: int, costs, skip, pool, nf: float, label
 
 
 def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
-          step: Step | None = None, say: Callable[[str], None] | None = None,
+          step: StepReport | None = None, say: Callable[[str], None] | None = None,
           max_compiles: int = SWEEP_COMPILES) -> Frontier:
     """Measure the frontier of workload `wl`'s step (see the module docstring).
 
@@ -577,7 +583,7 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
                 # Measured on the worker: planner.plan finds it measured, the point
                 # counts it.
                 step(what(budget, kind, i))
-                top_new = pl._cached_measurement(an, top, optimizer) is None
+                top_new = pl._cached_measurement(an, top, _step(wl, optimizer, an)) is None
                 if top_new and top_m is not None:
                     an.verified[(top.segments, optimizer)] = top_m
                 pt = _plan_point(wl, optimizer, an, budget, label(kind, i), nf, say,

@@ -22,6 +22,7 @@ from . import baselines
 from . import planner as pl
 from .constants import MAX_BATCH
 from .errors import InfeasibleBudgetError
+from .step import Step
 
 
 
@@ -167,8 +168,8 @@ def builtin_probe(name: str, make_workload: Callable[[int], object], optimizer, 
     def probe(batch: int) -> Probe:
         t0 = time.perf_counter()
         wl = make_workload(batch)
-        m = baselines.measure_builtin(name, wl.loss_fn, wl.abstract_params, wl.abstract_batch,
-                                      optimizer, wl.has_aux)
+        m = baselines.measure_builtin(name, Step(wl.loss_fn, optimizer, wl.has_aux),
+                                      wl.abstract_params, wl.abstract_batch)
         return Probe(batch, m.peak_bytes <= budget, m.peak_bytes, m.peak_bytes, m.flops, None,
                      time.perf_counter() - t0)
     return probe
@@ -238,8 +239,8 @@ def max_batch(make_workload: Callable[[int], object], optimizer, budget: int, st
             say(f"measuring the step without remat at batch {b.batch} (for overheads)")
             wl = make_workload(b.batch)
             known[b.batch] = baselines.measure_builtin(
-                baselines.NO_REMAT, wl.loss_fn, wl.abstract_params, wl.abstract_batch,
-                optimizer, wl.has_aux).flops
+                baselines.NO_REMAT, Step(wl.loss_fn, optimizer, wl.has_aux), wl.abstract_params,
+                wl.abstract_batch).flops
         srch.probes[srch.probes.index(b)] = dataclasses.replace(b, noremat_flops=known[b.batch])
     return MaxBatch(budget, planner, found, time.perf_counter() - t0)
 

@@ -26,7 +26,7 @@ from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, KeepRule, Option, 
                    parse_option)
 from .policies import dot_is_narrow
 from .trace import Literal, Program, eval_eqn, eval_range, nbytes
-from .sharding import per_device_bytes, step_shardings
+from .sharding import per_device_fixed, update_jit_kwargs
 
 CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 _NOTHING = KeepRule(NOTHING)  # the checkpoint keeping only its inputs
@@ -92,19 +92,12 @@ def fixed_memory(params, batch, optimizer=None, sharding=None) -> FixedMemory:
 
 
 def _sharded_fixed_memory(params, batch, optimizer, spec) -> FixedMemory:
-    sh = step_shardings(spec, params, batch, optimizer)
-    p_leaves = jax.tree.leaves(params)
-    s_leaves = jax.tree.leaves(sh.params, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-    floating = [(l, s) for l, s in zip(p_leaves, s_leaves)
-                if jax.dtypes.issubdtype(l.dtype, np.inexact)]
-    grads = per_device_bytes([l for l, _ in floating], [s for _, s in floating])
-    opt_bytes = update_temp = 0
+    (p_bytes, grads, opt_bytes, b_bytes), sh = per_device_fixed(spec, params, batch, optimizer)
+    update_temp = 0
     if optimizer is not None:
         opt_state = jax.eval_shape(optimizer.init, params)
-        opt_bytes = per_device_bytes(opt_state, sh.opt_state)
         update_temp = _update_temp_bytes(optimizer, params, opt_state, sh)
-    return FixedMemory(per_device_bytes(params, sh.params), grads, opt_bytes,
-                       per_device_bytes(tuple(batch), sh.batch), update_temp)
+    return FixedMemory(p_bytes, grads, opt_bytes, b_bytes, update_temp)
 
 
 def _update_temp_bytes(optimizer, params, opt_state, shardings=None) -> int:
@@ -121,10 +114,7 @@ def _update_temp_bytes(optimizer, params, opt_state, shardings=None) -> int:
     # donated here; XLA warns that it cannot reuse all of them, which is expected.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        kw = {}
-        if shardings is not None:  # one device's workspace of the sharded update
-            kw = dict(in_shardings=(shardings.params, shardings.opt_state, shardings.params),
-                      out_shardings=(shardings.params, shardings.opt_state))
+        kw = update_jit_kwargs(shardings)  # sharded: one device's workspace of the update
         compiled = jax.jit(update, donate_argnums=(0, 1, 2), **kw).lower(
             grads, opt_state, params).compile(measure_compiler_options())
     return int(compiled.memory_analysis().temp_size_in_bytes)

@@ -28,14 +28,14 @@ from .graph import jaxpr_bytes, jaxpr_flops
 from .memory import (ChainModel, FixedMemory, StageProfile, fixed_memory, per_parameter_update,
                      profile_stages, scale_chain, simulate, stage_gradient_bytes,
                      weighted_chain, with_gathered_weights, with_stage_gradients)
-from .sharding import (ShardingSpec, collective_outputs, gathered_params, unpaired_kernels,
-                       with_unpaired)
-from .sharding import resolve as resolve_sharding
-from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, SCAN_PREFIX, STORE, Plan,
-                   ScanOption, Segment, StageInfo, is_scan_option)
+from .sharding import (ShardingSpec, batch_share, check_devices, collective_outputs,
+                       gathered_bytes, rebuilds_scan, with_unpaired, with_unpaired_kernels)
+from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Plan, ScanOption, Segment,
+                   StageInfo)
 from .solve import ChainSolver, Solution
 from .trace import Program, trace
-from .verify import Measurement, abstract, as_batch, make_step, measure
+from .step import Step
+from .verify import Measurement, abstract, as_batch, make_step, measure_step
 
 Progress = Callable[[str], None]
 
@@ -63,14 +63,20 @@ class Analysis:
     step_jaxpr_flops: float = 0.0
     step_jaxpr_bytes: float = 0.0
     scan_chain: object | None = None  # scan.ScanChain of a layer-stack model (calibrated)
-    # Sharded step (sharding.ShardingSpec): every byte figure is one device's; `pinned`
+    # The step analysed (step.Step: loss, optimizer, has_aux, sharding). Sharded (its
+    # `sharding`, a sharding.ShardingSpec): every byte figure is one device's; `pinned`
     # are the values produced by collectives, kept by every checkpoint.
-    sharding: "ShardingSpec | None" = None
+    step: Step | None = None
     pinned: frozenset = frozenset()
     # XLA measurements of plans of this step, by (segments, optimizer): planning the same
     # analysis at several budgets (a frontier sweep) meets the same plans again, and a
     # compile is the expensive part of verifying one.
     verified: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def sharding(self) -> ShardingSpec | None:
+        """The analysed step's sharding.ShardingSpec, or None (unsharded)."""
+        return self.step.sharding if self.step is not None else None
 
     def cost_chain(self, cost_model: CostModel) -> ChainModel:
         """The chain whose recompute costs are in `cost_model`'s units (FLOPs, or
@@ -143,15 +149,14 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
     of the same program (one per sharding scheme, say); without it nothing is carried
     from one call to the next.
     """
-    spec = resolve_sharding(mesh, sharding)
+    step = Step.make(loss_fn, optimizer, has_aux, mesh, sharding)
     batch = as_batch(batch)
     say = progress or (lambda msg: None)
-    if spec is not None:
-        spec.mesh()  # the device count must match before anything else
+    check_devices(step.sharding)  # the device count must match before anything else
     say("tracing")
     program = trace(loss_fn, params, *batch, has_aux=has_aux)
-    if spec is not None and spec.model_axis and not spec.replicated:
-        spec = dataclasses.replace(spec, replicated=unpaired_kernels(program, params, spec))
+    step = step.replace(sharding=with_unpaired_kernels(step.sharding, program, params))
+    spec = step.sharding
     cost = build_cost_graph(program)
     say(f"{len(program.eqns)} equations, {len(cost.stages)} stages")
     fixed = fixed_memory(params, batch, optimizer, sharding=spec)
@@ -165,16 +170,16 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
         # one device's share of the batch; what tensor parallelism splits further, the
         # gathered weight slices and the kept collective outputs are left to the
         # calibration compiles, which are the sharded step's (_calibrate_scan)
-        scanned = scan.scaled(scanned, 1.0 / spec.data_size)
+        scanned = scan.scaled(scanned, batch_share(spec))
     if scanned is not None:  # the layers are one scan: a stage whose options are scan schemes
         cost, chain = scanned.cost, scanned.chain
     else:
         chain = profile_stages(program, cost, measure_xla=measure_xla, progress=say,
                                pinned=pinned, profiles=profiles)
         if spec is not None:  # one device's share of the batch (calibration fits the rest)
-            chain = scale_chain(chain, 1.0 / spec.data_size)
-            gathered = {v: b for v, (_, b) in gathered_params(program, params, spec).items()}
-            chain = with_gathered_weights(chain, program, cost, gathered)
+            chain = scale_chain(chain, batch_share(spec))
+            chain = with_gathered_weights(chain, program, cost,
+                                          gathered_bytes(program, params, spec))
     if optimizer is not None and spec is None and per_parameter_update(optimizer, params):
         # Each stage's own gradients live through its backward only (docs/jax-facts.md, fact 3).
         staged = stage_gradient_bytes(program, cost)
@@ -186,26 +191,26 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
     noremat_peak, _ = simulate(chain, store_all)
     # forward + backward of the unplanned step: backward ~ 2x forward for dots
     step_flops = 3.0 * cost.total_flops
-    jf, jb = step_traffic(loss_fn, params, batch, optimizer, has_aux)
-    an = Analysis(program, cost, chain, fixed, noremat_peak, step_flops, sharding=spec,
+    jf, jb = step_traffic(step, params, batch)
+    an = Analysis(program, cost, chain, fixed, noremat_peak, step_flops, step=step,
                   pinned=pinned, step_jaxpr_flops=jf, step_jaxpr_bytes=jb,
                   scan_chain=scanned)
     if calibrate and scanned is not None:
-        an = _calibrate_scan(an, scanned, loss_fn, params, batch, optimizer, say)
+        an = _calibrate_scan(an, scanned, params, batch, say)
     elif calibrate:
         say("measuring the step without remat (calibration)")
-        base = loss_fn
+        base = step
         if spec is not None:
             # The unplanned sharded step as the planner runs it: every stage stored, weights
             # all-gathered and collective outputs tagged as in a plan (apply.run_segments),
             # so the plan's figures differ from it by the remat alone.
             store_all = tuple(Segment(i, i + 1, STORE) for i in range(chain.n))
-            base = plan_from_segments(an, store_all, 0, 0, params, batch).apply(loss_fn)
-        noremat = measure(base, params, batch, optimizer, has_aux, sharding=spec)
+            base = step.planned(plan_from_segments(an, store_all, 0, 0, params, batch))
+        noremat = measure_step(base, params, batch)
         # Sharded: XLA's FLOPs are one device's; the model's stay global (recompute too).
         flops = step_flops if spec is not None else (noremat.flops or step_flops)
         an = _calibrate(dataclasses.replace(an, noremat=noremat, step_flops=flops),
-                        loss_fn, params, batch, optimizer, say)
+                        params, batch, say)
     return an
 
 
@@ -219,22 +224,20 @@ def _scan_options(segments) -> list[str]:
     return out
 
 
-def step_traffic(loss_fn: Callable, params, batch, optimizer=None,
-                 has_aux: bool = False) -> tuple[float, float]:
+def step_traffic(step: Step, params, batch) -> tuple[float, float]:
     """FLOPs and memory traffic (graph.jaxpr_flops / jaxpr_bytes) of the training step of
-    `loss_fn` (value_and_grad + optimizer update, as verify.measure compiles it), from its
-    jaxpr: nothing is compiled or allocated."""
+    `step` (a step.Step: value_and_grad + optimizer update, as verify.measure compiles it),
+    from its jaxpr: nothing is compiled or allocated."""
     params, batch = abstract(params), abstract(as_batch(batch))
-    step = make_step(loss_fn, optimizer, has_aux)
+    fn, optimizer = make_step(step.loss_fn, step.optimizer, step.has_aux), step.optimizer
     if optimizer is None:
-        closed = jax.make_jaxpr(step)(params, batch)
+        closed = jax.make_jaxpr(fn)(params, batch)
     else:
-        closed = jax.make_jaxpr(step)(params, jax.eval_shape(optimizer.init, params), batch)
+        closed = jax.make_jaxpr(fn)(params, jax.eval_shape(optimizer.init, params), batch)
     return jaxpr_flops(closed), jaxpr_bytes(closed)
 
 
-def _calibrate_scan(an: Analysis, scanned: "scan.ScanChain", loss_fn, params, batch, optimizer,
-                    say) -> Analysis:
+def _calibrate_scan(an: Analysis, scanned: "scan.ScanChain", params, batch, say) -> Analysis:
     """Fit a layer-stack scan's model to XLA on two steps compiled side by side: without
     remat, and with the stack a flat scan of checkpointed bodies (scan.calibration_scheme).
 
@@ -246,25 +249,23 @@ def _calibrate_scan(an: Analysis, scanned: "scan.ScanChain", loss_fn, params, ba
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    n, k, has_aux = an.chain.n, scanned.stage, an.program.has_aux
+    n, k, step = an.chain.n, scanned.stage, an.step
     store_all = [Segment(i, i + 1, STORE) for i in range(n)]
     ckpt = tuple(Segment(i, i + 1, scan.calibration_scheme(scanned.stack) if i == k else STORE)
                  for i in range(n))
-    ckpt_loss = plan_from_segments(an, ckpt, 0, 0, params, batch).apply(loss_fn)
-    base = loss_fn
-    if an.sharding is not None and an.sharding.scheme != "dp":
+    ckpt_step = step.planned(plan_from_segments(an, ckpt, 0, 0, params, batch))
+    base = step
+    if rebuilds_scan(an.sharding):
         # The unplanned step as plans run it: the scan rebuilt with every sub-stage stored,
         # its weight slices gathered per iteration and its collective outputs tagged
         # (apply.run_scheme), so that plans differ from it by their recomputation alone.
         store = tuple(Segment(i, i + 1, scan.store_scheme(scanned.stack) if i == k else STORE)
                       for i in range(n))
-        base = plan_from_segments(an, store, 0, 0, params, batch).apply(loss_fn)
+        base = step.planned(plan_from_segments(an, store, 0, 0, params, batch))
     say("measuring the step without remat and with the layer stack checkpointed (calibration)")
     with ThreadPoolExecutor(max_workers=1) as pool:  # XLA compiles release the GIL
-        pending = pool.submit(measure, base, params, batch, optimizer, has_aux,
-                              sharding=an.sharding)
-        ckpt_peak = measure(ckpt_loss, params, batch, optimizer, has_aux,
-                            sharding=an.sharding).peak_bytes
+        pending = pool.submit(measure_step, base, params, batch)
+        ckpt_peak = measure_step(ckpt_step, params, batch).peak_bytes
         noremat = pending.result()
 
     def total(stack, segments, sc=None) -> int:
@@ -337,7 +338,7 @@ def _fit_scale(f: Callable[[float], int], target: int, lo: float = 0.1, hi: floa
     return (lo + hi) / 2
 
 
-def _calibrate(an: Analysis, loss_fn, params, batch, optimizer, say) -> Analysis:
+def _calibrate(an: Analysis, params, batch, say) -> Analysis:
     """Fit the model to XLA on two steps: without remat, and every stage but the last
     checkpointed.
 
@@ -357,8 +358,7 @@ def _calibrate(an: Analysis, loss_fn, params, batch, optimizer, say) -> Analysis
     ckpt_all = tuple(Segment(i, i + 1, NOTHING if i < n - 1 else STORE) for i in range(n))
     say("measuring the step with every stage but the last checkpointed (calibration)")
     ckpt_plan = plan_from_segments(an, ckpt_all, 0, 0, params, batch)
-    ckpt_measured = measure(ckpt_plan.apply(loss_fn), params, batch, optimizer,
-                            an.program.has_aux, sharding=an.sharding).peak_bytes
+    ckpt_measured = measure_step(an.step.planned(ckpt_plan), params, batch).peak_bytes
 
     def total(chain, segments):
         act, _ = simulate(chain, segments)
@@ -420,6 +420,8 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     say = progress or (lambda msg: None)
     an = analysis or analyze(loss_fn, params, batch, optimizer, calibrate=verify, progress=say,
                              has_aux=has_aux, mesh=mesh, sharding=sharding)
+    # the step planned: this call's loss and optimizer, the analysis's has_aux and sharding
+    step = an.step.replace(loss_fn=loss_fn, optimizer=optimizer)
     overhead = an.fixed.total + an.calibration_bytes
     model = resolve_cost_model(cost_model)
     costs = _PlanCosts(an, model)
@@ -445,7 +447,7 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
                                 correction=0, costs=costs)
             say("measuring the most frugal plan with XLA, to name the smallest budget")
             compiles = _Compiles(MAX_VERIFY_COMPILES if max_compiles is None else max_compiles)
-            measured = compiles.measure(an, frugal, loss_fn, params, batch, optimizer)
+            measured = compiles.measure(an, frugal, step, params, batch)
             fits = None
             if measured.peak_bytes <= budget_bytes:
                 # The model overstates it, and XLA fits it (bert-tiny: the model's smallest
@@ -455,9 +457,8 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
             # model says none does (the corpus U-Net: the model puts every block under
             # nothing_saveable at 3.98 MB, XLA at 3,445,980 B).
             error = measured.peak_bytes - frugal.predicted_peak_bytes
-            fits = _probe_per_block(an, fits, budget_bytes, [frugal.segments], loss_fn, params,
-                                    batch, optimizer, say, costs, compiles, error=error,
-                                    wide=True)
+            fits = _probe_per_block(an, fits, budget_bytes, [frugal.segments], step, params,
+                                    batch, say, costs, compiles, error=error, wide=True)
             if fits is not None:
                 return dataclasses.replace(fits, metadata={
                     **fits.metadata, "verify_rounds": compiles.measured,
@@ -499,11 +500,11 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     for round_ in range(max_rounds):
         p = _make_plan(an, solution, budget_bytes, params, batch, correction, costs=costs)
         if (round_ > 0 and compiles.left <= reserve
-                and _cached_measurement(an, p, optimizer) is None):
+                and _cached_measurement(an, p, step) is None):
             tried.remove(solution.segments)  # not measured: a probe may still try it
             break
         say(f"verifying with XLA (round {round_ + 1})")
-        m = compiles.measure(an, p, loss_fn, params, batch, optimizer)
+        m = compiles.measure(an, p, step, params, batch)
         if m is None:
             break
         lowest_peak = m.peak_bytes if lowest_peak is None else min(lowest_peak, m.peak_bytes)
@@ -544,20 +545,19 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     if best is not None:
         # The per-block plans first: they are what a user writes by hand, and the model's
         # error on whole-block checkpoints differs from its error on the loop's plans.
-        best = _probe_per_block(an, best, budget_bytes, tried, loss_fn, params, batch,
-                                optimizer, say, costs, compiles)
-        best = _probe_cheaper(an, solver, best, budget_bytes, tried, loss_fn, params,
-                              batch, optimizer, say, costs, compiles)
-        best = _cheaper_verified(an, best, budget_bytes, optimizer, params, batch, say, costs)
+        best = _probe_per_block(an, best, budget_bytes, tried, step, params, batch, say,
+                                costs, compiles)
+        best = _probe_cheaper(an, solver, best, budget_bytes, tried, step, params, batch, say,
+                              costs, compiles)
+        best = _cheaper_verified(an, best, budget_bytes, step, params, batch, say, costs)
         return dataclasses.replace(best, metadata={
             **best.metadata, "verify_rounds": compiles.measured, "compiles": compiles.used,
             **labels})
     # Every plan of this call is over, but a plan with one keep rule per block, or one
     # XLA measured at another budget of this analysis (a sweep's smaller budget), may
     # fit: the model's error differs per plan.
-    _probe_per_block(an, None, budget_bytes, tried, loss_fn, params, batch, optimizer, say,
-                     costs, compiles)
-    fallback = _cheapest_verified(an, budget_bytes, optimizer, params, batch, costs)
+    _probe_per_block(an, None, budget_bytes, tried, step, params, batch, say, costs, compiles)
+    fallback = _cheapest_verified(an, budget_bytes, step, params, batch, costs)
     if fallback is not None:
         say("a plan XLA measured at another budget of this analysis fits: taking it")
         return dataclasses.replace(fallback, metadata={
@@ -592,22 +592,21 @@ class _Compiles:
     def left(self) -> int:
         return self.limit - self.used
 
-    def measure(self, an: Analysis, p: Plan, loss_fn, params, batch,
-                optimizer) -> Measurement | None:
+    def measure(self, an: Analysis, p: Plan, step: Step, params, batch) -> Measurement | None:
         """XLA's figures for `p`, or None when it would need a compile and none is left."""
-        cached = _cached_measurement(an, p, optimizer)
+        cached = _cached_measurement(an, p, step)
         if cached is None:
             if self.left <= 0:
                 return None
             self.used += 1
         self.measured += 1
-        return cached or _measure_plan(an, p, loss_fn, params, batch, optimizer)
+        return cached or _measure_plan(an, p, step, params, batch)
 
 
 
 
 def _probe_cheaper(an: Analysis, solver: ChainSolver, best: Plan, budget_bytes: int, tried: list,
-                   loss_fn, params, batch, optimizer, say, costs: "_PlanCosts",
+                   step: Step, params, batch, say, costs: "_PlanCosts",
                    compiles: _Compiles) -> Plan:
     """Try the next cheaper plans on the model's frontier with XLA.
 
@@ -639,7 +638,7 @@ def _probe_cheaper(an: Analysis, solver: ChainSolver, best: Plan, budget_bytes: 
         p = _make_plan(an, solution, budget_bytes, params, batch, error, costs=costs)
         say(f"verifying a cheaper plan the model puts {p.predicted_peak_bytes - budget_bytes:+d} "
             "bytes from the budget (probe)")
-        m = compiles.measure(an, p, loss_fn, params, batch, optimizer)
+        m = compiles.measure(an, p, step, params, batch)
         if m is None:
             break
         if m.peak_bytes > budget_bytes:
@@ -723,8 +722,8 @@ def _scan_whole_body(stage: StageProfile, rule: str):
     return next((by_name[name] for name in whole if name in by_name), None)
 
 
-def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: list, loss_fn,
-                     params, batch, optimizer, say, costs: "_PlanCosts",
+def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: list, step: Step,
+                     params, batch, say, costs: "_PlanCosts",
                      compiles: _Compiles, error: int | None = None,
                      wide: bool = False) -> Plan | None:
     """Compile the per-block plans (per_block_plans) that would recompute less than `best`
@@ -750,7 +749,7 @@ def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: 
 
     def block_error() -> int | None:
         errors = [m.peak_bytes - model_peak(segments) for segments in plans
-                  if (m := _cached_measurement(an, segments, optimizer)) is not None]
+                  if (m := _cached_measurement(an, segments, step)) is not None]
         return min(errors) if errors else None
 
     def model_flops(segments) -> float:
@@ -789,7 +788,7 @@ def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: 
         p = _make_plan(an, Solution(segments, cost, act), budget_bytes, params, batch, e,
                        costs=costs)
         say("verifying a plan with one keep rule per block (probe)")
-        m = compiles.measure(an, p, loss_fn, params, batch, optimizer)
+        m = compiles.measure(an, p, step, params, batch)
         if m is None:
             break
         tried.append(segments)
@@ -800,7 +799,7 @@ def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: 
     return best
 
 
-def _cheaper_verified(an: Analysis, best: Plan, budget_bytes: int, optimizer, params, batch,
+def _cheaper_verified(an: Analysis, best: Plan, budget_bytes: int, step: Step, params, batch,
                       say, costs: "_PlanCosts") -> Plan:
     """The cheapest plan XLA already measured on this analysis within `budget_bytes`.
 
@@ -827,7 +826,7 @@ def _cheaper_verified(an: Analysis, best: Plan, budget_bytes: int, optimizer, pa
         best_cost, margin = best.measured_flops, REUSE_TOLERANCE * best.step_flops
     else:
         return best
-    found = None
+    found, optimizer = None, step.optimizer
     for (segments, opt), m in list(an.verified.items()):
         if opt is not optimizer and opt != optimizer:
             continue
@@ -843,11 +842,11 @@ def _cheaper_verified(an: Analysis, best: Plan, budget_bytes: int, optimizer, pa
     return _from_verified(an, *found, budget_bytes, params, batch, costs)
 
 
-def _cheapest_verified(an: Analysis, budget_bytes: int, optimizer, params, batch,
+def _cheapest_verified(an: Analysis, budget_bytes: int, step: Step, params, batch,
                        costs: "_PlanCosts") -> Plan | None:
     """The plan with the fewest XLA FLOPs among those XLA measured on this analysis within
     `budget_bytes` (by the model's time with the time objective); None if there is none."""
-    timed = costs.model.kind == "time"
+    timed, optimizer = costs.model.kind == "time", step.optimizer
     found, best_cost = None, None
     for (segments, opt), m in list(an.verified.items()):
         if (opt is not optimizer and opt != optimizer) or m.peak_bytes > budget_bytes:
@@ -878,27 +877,26 @@ def _with_measurement(p: Plan, m: Measurement, **metadata) -> Plan:
 
 
 def _cached_measurement(an: Analysis, p: "Plan | tuple[Segment, ...]",
-                        optimizer) -> Measurement | None:
+                        step: Step) -> Measurement | None:
     """XLA's figures for plan `p` (or the plan of these segments) if this analysis
-    measured it before."""
+    measured it before, with `step`'s optimizer."""
     segments = p.segments if isinstance(p, Plan) else tuple(p)
     try:
-        return an.verified.get((segments, optimizer))
+        return an.verified.get((segments, step.optimizer))
     except TypeError:  # an optimizer that cannot be a dict key: no reuse
         return None
 
 
-def _measure_plan(an: Analysis, p: Plan, loss_fn, params, batch, optimizer) -> Measurement:
-    """XLA's figures for plan `p` of the analysed step, compiled once per analysis."""
+def _measure_plan(an: Analysis, p: Plan, step: Step, params, batch) -> Measurement:
+    """XLA's figures for plan `p` of `step` (the analysed step, or the same step with
+    another loss or optimizer), compiled once per analysis."""
     try:
-        key = (p.segments, optimizer)
+        key = (p.segments, step.optimizer)
         hash(key)
     except TypeError:  # an optimizer that cannot be a dict key: no reuse
-        return measure(p.apply(loss_fn), params, batch, optimizer, an.program.has_aux,
-                       sharding=an.sharding)
+        return measure_step(step.planned(p), params, batch)
     if key not in an.verified:
-        an.verified[key] = measure(p.apply(loss_fn), params, batch, optimizer,
-                                   an.program.has_aux, sharding=an.sharding)
+        an.verified[key] = measure_step(step.planned(p), params, batch)
     return an.verified[key]
 
 
@@ -978,15 +976,13 @@ def measure_builtin_policies(loss_fn: Callable, params, batch, optimizer=None,
     """XLA peak and FLOPs of the step without remat and with each built-in policy per block
     (per device, with `mesh` and `sharding`: under tp in the layout `plan` uses, its
     unpaired kernels replicated)."""
-    spec = resolve_sharding(mesh, sharding)
-    if spec is not None and spec.model_axis and not spec.replicated:
-        spec = with_unpaired(spec, loss_fn, params, batch, has_aux)
+    step = Step.make(loss_fn, optimizer, has_aux, mesh, sharding)
+    step = step.replace(sharding=with_unpaired(step, params, batch))
     say = progress or (lambda msg: None)
     out = {}
     say("measuring: no remat")
-    out["no_remat"] = measure(loss_fn, params, batch, optimizer, has_aux, sharding=spec)
+    out["no_remat"] = measure_step(step, params, batch)
     for name in baselines.POLICIES:
         say(f"measuring: {name} per block")
-        out[name] = baselines.measure_builtin(name, loss_fn, params, batch, optimizer, has_aux,
-                                              sharding=spec)
+        out[name] = baselines.measure_builtin(name, step, params, batch)
     return out

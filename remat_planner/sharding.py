@@ -283,6 +283,72 @@ def step_shardings(spec: ShardingSpec, params, batch, optimizer=None) -> StepSha
     return StepShardings(mesh, named(p_specs), named(batch_specs(batch, spec)), opt)
 
 
+def jit_kwargs(step, params, batch) -> dict:
+    """`in_shardings` / `out_shardings` for jitting the training step of `step` (a
+    step.Step) under its sharding: params, optimizer state and batch as the scheme says,
+    the loss replicated, aux left to XLA; {} for an unsharded step. The step's function is
+    verify.make_step's: (params, batch) -> grads or (params, opt_state, batch) -> (params,
+    opt_state, loss), with aux last under `has_aux`."""
+    if step.sharding is None:
+        return {}
+    optimizer = step.optimizer
+    sh = step_shardings(step.sharding, params, batch, optimizer)
+    aux = (None,) if step.has_aux else ()
+    if optimizer is None:
+        return dict(in_shardings=(sh.params, sh.batch),
+                    out_shardings=(sh.params, None) if step.has_aux else sh.params)
+    return dict(in_shardings=(sh.params, sh.opt_state, sh.batch),
+                out_shardings=(sh.params, sh.opt_state, sh.replicated, *aux))
+
+
+def plan_layout(spec: ShardingSpec | None, plan) -> ShardingSpec | None:
+    """The layout a step following `plan` runs in: the plan's own (with the kernels it
+    keeps replicated) where `spec` is none or the same mesh and scheme, else `spec`."""
+    made_for = plan.sharding if plan is not None else None
+    if made_for is not None and (spec is None or dataclasses.replace(spec, replicated=())
+                                 == dataclasses.replace(made_for, replicated=())):
+        return made_for
+    return spec
+
+
+def per_device_fixed(spec: ShardingSpec, params, batch, optimizer=None
+                     ) -> tuple[tuple[int, int, int, int], StepShardings]:
+    """One device's bytes of what the sharded step holds throughout, (parameters,
+    gradients of the floating parameters, optimizer state, batch), each tensor its shard
+    (gradients are sharded like their parameters); and the step's shardings
+    (memory.fixed_memory builds its FixedMemory from them)."""
+    sh = step_shardings(spec, params, batch, optimizer)
+    p_leaves = jax.tree.leaves(params)
+    s_leaves = jax.tree.leaves(sh.params, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    floating = [(l, s) for l, s in zip(p_leaves, s_leaves)
+                if jax.dtypes.issubdtype(l.dtype, np.inexact)]
+    grads = per_device_bytes([l for l, _ in floating], [s for _, s in floating])
+    opt_bytes = 0
+    if optimizer is not None:
+        opt_state = jax.eval_shape(optimizer.init, params)
+        opt_bytes = per_device_bytes(opt_state, sh.opt_state)
+    return (per_device_bytes(params, sh.params), grads, opt_bytes,
+            per_device_bytes(tuple(batch), sh.batch)), sh
+
+
+def update_jit_kwargs(shardings: StepShardings | None) -> dict:
+    """`in_shardings` / `out_shardings` of the optimizer update alone, (grads, opt_state,
+    params) -> (params, opt_state), under a step's shardings: one device's workspace of the
+    sharded update; {} unsharded."""
+    if shardings is None:
+        return {}
+    return dict(in_shardings=(shardings.params, shardings.opt_state, shardings.params),
+                out_shardings=(shardings.params, shardings.opt_state))
+
+
+def batch_share(spec: ShardingSpec | None) -> float:
+    """One device's share of the batch, and so of the activations the memory model
+    profiles on the whole batch: 1 / the data axes' size (1.0 unsharded). What tensor
+    parallelism splits further is left to the calibration compiles, which are the sharded
+    step's."""
+    return 1.0 if spec is None else 1.0 / spec.data_size
+
+
 def per_device_bytes(tree, shardings) -> int:
     """Bytes of one device's shards of `tree` (leaves: arrays or ShapeDtypeStructs)."""
     total = 0
@@ -579,14 +645,30 @@ def _propagate(program, origin: dict[int, P], source: frozenset[int] = frozenset
     return frozenset(pinned), escapes
 
 
-def with_unpaired(spec: ShardingSpec, loss_fn, params, batch, has_aux: bool = False
-                  ) -> ShardingSpec:
-    """`spec` with `replicated` set to the unpaired kernels of `loss_fn`'s program (traced
-    on abstract shapes); unchanged without tensor parallelism."""
-    if spec is None or spec.model_axis is None:
+def with_unpaired(step, params, batch) -> ShardingSpec | None:
+    """The sharding of `step` (a step.Step) with `replicated` set to the unpaired kernels
+    of its loss's program (traced on abstract shapes): the tp layout the planner and the
+    built-in policies it is compared with share. Unchanged without tensor parallelism, or
+    where `replicated` is set already."""
+    spec = step.sharding
+    if spec is None or spec.model_axis is None or spec.replicated:
         return spec
-    program = trace(loss_fn, params, *as_batch(batch), has_aux=has_aux)
+    program = trace(step.loss_fn, params, *as_batch(batch), has_aux=step.has_aux)
+    return with_unpaired_kernels(spec, program, params)
+
+
+def with_unpaired_kernels(spec: ShardingSpec | None, program, params) -> ShardingSpec | None:
+    """`spec` with `replicated` set to the unpaired kernels of the traced `program`
+    (unpaired_kernels); unchanged without tensor parallelism, or where it is set already."""
+    if spec is None or spec.model_axis is None or spec.replicated:
+        return spec
     return dataclasses.replace(spec, replicated=unpaired_kernels(program, params, spec))
+
+
+def check_devices(spec: ShardingSpec | None) -> None:
+    """ConfigError unless JAX sees the devices `spec`'s mesh needs (nothing unsharded)."""
+    if spec is not None:
+        spec.mesh()
 
 
 def unpaired_kernels(program, params, spec: ShardingSpec) -> tuple[str, ...]:
@@ -709,6 +791,55 @@ def gathered_params(program, params, spec: ShardingSpec) -> dict[int, tuple[P, i
                       for n, ax in zip(aval.shape, list(g) + [None] * (len(aval.shape) - len(g))))
         out[vid] = (g, nbytes(jax.ShapeDtypeStruct(shard, aval.dtype)))
     return out
+
+
+def gathered_bytes(program, params, spec: ShardingSpec | None) -> dict[int, int]:
+    """Under fsdp: parameter value id -> one device's bytes of its all-gathered weight
+    (gathered_params), what a checkpointed segment keeps (memory.with_gathered_weights);
+    {} otherwise."""
+    return {v: b for v, (_, b) in gathered_params(program, params, spec).items()}
+
+
+def gather_shardings(program, params, spec: ShardingSpec | None) -> dict:
+    """Under fsdp: parameter value id -> NamedSharding of the all-gathered weight, what a
+    checkpointed segment gathers once at its start and keeps by name (apply.run_segments);
+    {} otherwise."""
+    if spec is None:
+        return {}
+    gathered = gathered_params(program, params, spec)
+    if not gathered:
+        return {}
+    mesh = spec.mesh()
+    return {vid: NamedSharding(mesh, g) for vid, (g, _) in gathered.items()}
+
+
+def rebuilds_scan(spec: ShardingSpec | None) -> bool:
+    """Whether a layer-stack scan is rebuilt with per-iteration gathers and pins under
+    `spec` (fsdp or tp: scan_layout); under dp, or unsharded, the scan runs as XLA lays
+    it out."""
+    return spec is not None and spec.scheme != "dp"
+
+
+def scan_layout(program, params, spec: ShardingSpec | None):
+    """Under fsdp or tp: (the ShardingSpec, parameter value id -> its PartitionSpec), what a
+    layer-stack scan needs to gather its weight slices and keep its collective outputs
+    (scan_iteration, apply.run_scheme); None otherwise."""
+    if not rebuilds_scan(spec):
+        return None
+    return spec, program_param_specs(program, params, spec)
+
+
+def scan_iteration(eqn, body_program, layout):
+    """(regather, pinned, pin_carry) for the iterations of the layer-stack scan `eqn`
+    under `layout` (scan_layout's): the body inputs whose weight slices each sub-stage
+    all-gathers, the body values produced by tensor-parallel collectives
+    (scan_body_shardings), and the function constraining the carry (carry_constraint, or
+    None). (None, frozenset(), None) without a layout."""
+    if layout is None:
+        return None, frozenset(), None
+    spec, specs = layout
+    regather, pinned = scan_body_shardings(eqn, body_program, specs, spec)
+    return regather, pinned, carry_constraint(spec)
 
 
 def shard_arrays(params, batch, opt_state=None, *, optimizer=None, mesh=None, sharding=None):

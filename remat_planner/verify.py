@@ -19,7 +19,8 @@ from .graph import jaxpr_flops
 from .memory import compiler_options, measure_compiler_options
 from .trace import abstract, as_batch
 from .errors import ConfigError
-from .sharding import communication, resolve, step_shardings
+from .sharding import communication, jit_kwargs, plan_layout, resolve
+from .step import Step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,32 +64,17 @@ def make_step(loss_fn: Callable, optimizer=None, has_aux: bool = False) -> Calla
     return step
 
 
-def jit_kwargs(sharding, params, batch, optimizer=None, has_aux: bool = False) -> dict:
-    """`in_shardings` / `out_shardings` for jitting the step under a sharding.ShardingSpec
-    (params, optimizer state and batch as the scheme says, the loss replicated, aux left
-    to XLA); {} without one."""
-    if sharding is None:
-        return {}
-    sh = step_shardings(sharding, params, batch, optimizer)
-    aux = (None,) if has_aux else ()
-    if optimizer is None:
-        return dict(in_shardings=(sh.params, sh.batch),
-                    out_shardings=(sh.params, None) if has_aux else sh.params)
-    return dict(in_shardings=(sh.params, sh.opt_state, sh.batch),
-                out_shardings=(sh.params, sh.opt_state, sh.replicated, *aux))
-
-
-def _lowered_step(loss_fn: Callable, params, batch, optimizer, has_aux: bool, sharding):
-    """(traced, lowered) training step of `loss_fn` as measure compiles it."""
+def _lowered_step(step: Step, params, batch):
+    """(traced, lowered) training step as measure compiles it."""
     batch = abstract(as_batch(batch))
     params = abstract(params)
-    step = make_step(loss_fn, optimizer, has_aux)
-    kw = jit_kwargs(sharding, params, batch, optimizer, has_aux)
-    if optimizer is None:
-        traced = jax.jit(step, **kw).trace(params, batch)
+    fn = make_step(step.loss_fn, step.optimizer, step.has_aux)
+    kw = jit_kwargs(step, params, batch)
+    if step.optimizer is None:
+        traced = jax.jit(fn, **kw).trace(params, batch)
     else:
-        opt_state = jax.eval_shape(optimizer.init, params)
-        traced = jax.jit(step, donate_argnums=(0, 1), **kw).trace(params, opt_state, batch)
+        opt_state = jax.eval_shape(step.optimizer.init, params)
+        traced = jax.jit(fn, donate_argnums=(0, 1), **kw).trace(params, opt_state, batch)
     return traced, traced.lower()
 
 
@@ -100,7 +86,7 @@ def step_digest(loss_fn: Callable, params, batch, optimizer=None, has_aux: bool 
                 sharding=None) -> str:
     """A digest of `loss_fn`'s training step as `measure` lowers it, without debug
     information: two losses with the same digest are the same XLA program."""
-    return _digest(_lowered_step(loss_fn, params, batch, optimizer, has_aux, sharding)[1])
+    return _digest(_lowered_step(Step(loss_fn, optimizer, has_aux, sharding), params, batch)[1])
 
 
 def measure(loss_fn: Callable, params, batch, optimizer=None, has_aux: bool = False,
@@ -118,7 +104,12 @@ def measure(loss_fn: Callable, params, batch, optimizer=None, has_aux: bool = Fa
     program already in it is not compiled again (the frontier shares the compiles of the
     built-in policies with the plans that replay them exactly).
     """
-    traced, lowered = _lowered_step(loss_fn, params, batch, optimizer, has_aux, sharding)
+    return measure_step(Step(loss_fn, optimizer, has_aux, sharding), params, batch, programs)
+
+
+def measure_step(step: Step, params, batch, programs: dict | None = None) -> Measurement:
+    """`measure` of a step.Step: XLA's peak and FLOPs of its compiled training step."""
+    traced, lowered = _lowered_step(step, params, batch)
     digest = _digest(lowered) if programs is not None else None
     if digest is not None and digest in programs:
         return programs[digest]
@@ -132,7 +123,7 @@ def measure(loss_fn: Callable, params, batch, optimizer=None, has_aux: bool = Fa
     peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
             + ma.temp_size_in_bytes)
     flops = float(cost.get("flops", 0.0))
-    if _has_scan(traced.jaxpr, 2 if sharding is None else 1):
+    if _has_scan(traced.jaxpr, 2 if step.sharding is None else 1):
         # XLA's cost analysis counts a loop body once whatever its trip count; the
         # analytic count multiplies a scan body by its length. Sharded, XLA's count is one
         # device's and the jaxpr's the whole step's: a step with any scan is counted from
@@ -140,7 +131,7 @@ def measure(loss_fn: Callable, params, batch, optimizer=None, has_aux: bool = Fa
         # them) are all counted alike.
         flops = jaxpr_flops(traced.jaxpr)
     comm = None
-    if sharding is not None:
+    if step.sharding is not None:
         comm = communication(compiled.as_text()).to_dict()
     m = Measurement(int(peak), flops, int(ma.argument_size_in_bytes),
                     int(ma.output_size_in_bytes), int(ma.alias_size_in_bytes),
@@ -172,18 +163,15 @@ def train_step(loss_fn: Callable, optimizer, plan=None, has_aux: bool = False, *
     ShapeDtypeStructs) to build them, and arguments are resharded to them by jit if they
     are not placed so already (place them with `rp.shard_arrays` to avoid the copy).
     """
-    spec = resolve(mesh, sharding)
-    made_for = plan.sharding if plan is not None else None
-    if made_for is not None and (spec is None or dataclasses.replace(spec, replicated=())
-                                 == dataclasses.replace(made_for, replicated=())):
-        spec = made_for  # the plan's layout, with the kernels it keeps replicated
-    planned = plan.apply(loss_fn, has_aux) if plan is not None else loss_fn
-    step = make_step(planned, optimizer, has_aux)
+    spec = plan_layout(resolve(mesh, sharding), plan)
+    step = Step(loss_fn, optimizer, has_aux, spec)
+    planned = step.planned(plan) if plan is not None else step
+    fn = make_step(planned.loss_fn, optimizer, has_aux)
     kw = {}
     if spec is not None:
         if params is None or batch is None:
             raise ConfigError("a sharded train_step needs params= and batch= (shapes suffice) "
                               "to build its shardings")
-        kw = jit_kwargs(spec, abstract(params), abstract(as_batch(batch)), optimizer, has_aux)
-    return jax.jit(lambda p, s, b: step(p, s, as_batch(b)), donate_argnums=(0, 1),
+        kw = jit_kwargs(step, abstract(params), abstract(as_batch(batch)))
+    return jax.jit(lambda p, s, b: fn(p, s, as_batch(b)), donate_argnums=(0, 1),
                    compiler_options=compiler_options(), **kw)

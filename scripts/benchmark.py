@@ -64,6 +64,7 @@ from remat_planner import baselines, costmodel  # noqa: E402
 from remat_planner import planner as pl  # noqa: E402
 from remat_planner.config import build_workload, load_config, make_optimizer  # noqa: E402
 from remat_planner.errors import RematPlannerError  # noqa: E402
+from remat_planner.step import Step  # noqa: E402
 from remat_planner.verify import train_step  # noqa: E402
 
 MiB = 2**20
@@ -93,7 +94,7 @@ def build_variants(wl, opt, args, say) -> tuple[list[Variant], pl.Analysis]:
     variants = []
 
     def add(label, loss, m, plan=None):
-        jf, jb = pl.step_traffic(loss, P, B, opt, wl.has_aux)
+        jf, jb = pl.step_traffic(Step(loss, opt, wl.has_aux), P, B)
         v = Variant(label, train_step(loss if plan is None else wl.loss_fn, opt, plan, wl.has_aux),
                     m.peak_bytes if plan is None else plan.measured_peak_bytes,
                     m.flops if plan is None else plan.measured_flops, jf, jb)
@@ -104,7 +105,8 @@ def build_variants(wl, opt, args, say) -> tuple[list[Variant], pl.Analysis]:
 
     add("no remat", wl.loss_fn, base["no_remat"])
     for name in baselines.POLICIES:
-        add(name, baselines.builtin_loss(name, wl.loss_fn, P, B, wl.has_aux), base[name])
+        point = Step(wl.loss_fn, has_aux=wl.has_aux)
+        add(name, baselines.builtin_loss(name, point, P, B), base[name])
     budgets = [] if args.no_policy_budgets else [
         (f"at {name} peak", base[name].peak_bytes) for name in baselines.POLICIES]
     low, high = an.min_feasible_budget(), base["no_remat"].peak_bytes

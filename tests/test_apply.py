@@ -16,6 +16,7 @@ import remat_planner as rp
 import tiny_mlp
 from remat_planner.apply import apply_plan, block_ranges, nested_scan
 from remat_planner.baselines import POLICIES, builtin_loss
+from remat_planner.step import Step
 from remat_planner.config import build_workload, load_config
 from remat_planner.errors import PlanMismatchError
 from remat_planner.memory import value_name
@@ -149,7 +150,7 @@ def test_builtin_policy_per_block_keeps_the_gradients(mlp, policy):
     """Each block in its own jax.checkpoint(policy=...) over block_ranges: DEPTH regions,
     the original gradients."""
     _, _, params, batch = mlp
-    loss = builtin_loss(policy, _loss, PARAMS, BATCH)
+    loss = builtin_loss(policy, Step(_loss), PARAMS, BATCH)
     jaxpr = jax.make_jaxpr(loss)(params, *batch).jaxpr
     assert sum(p in CHECKPOINT for p, _ in _primitives(jaxpr)) == DEPTH
     g0 = jax.jit(jax.grad(_loss))(params, *batch)

@@ -25,6 +25,7 @@ from remat_planner.config import build_workload, load_config, make_optimizer
 from remat_planner.constants import MAX_COMPILES, MIN_POINTS
 from remat_planner.frontier import sweep_budgets
 from remat_planner.maxbatch import Probe, builtin_probe, largest_fitting
+from remat_planner.step import Step
 from remat_planner.verify import measure, step_digest
 
 # Whole-step compiles at several budgets: left out of the README's test command, run by
@@ -73,8 +74,8 @@ def frontier_run(tmp_path_factory, two_layer):
         return m
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pl, "measure", counting("planner", pl.measure))
-        mp.setattr(fr_mod, "measure", counting("builtin", fr_mod.measure))
+        mp.setattr(pl, "measure_step", counting("planner", pl.measure_step))
+        mp.setattr(fr_mod, "measure_step", counting("builtin", fr_mod.measure_step))
         mp.setattr(fr_mod, "THREADS", True)  # the worker thread's path, whatever the load
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             code = main(["frontier", two_layer, "--out", str(out), "--json"])
@@ -213,7 +214,7 @@ def test_compiles_per_point_are_bounded(frontier_run):
               if l.startswith("at ")) * MAX_COMPILES
     # Issue 20, point 8: the points between the ends aim below their budgets by the
     # model's measured error and compile nothing where the frontier is flat by the model
-    # (_aim); the no-remat end's plan stores every stage, so it is the step as written
+    # (aim); the no-remat end's plan stores every stage, so it is the step as written
     # (apply.apply_plan) and the analysis's no-remat compile is its measurement.
     # The two-layer frontier made 16 whole-step compiles before (analysis 2, built-ins 4,
     # planner points 10), 15 with the aiming, 14 with the no-remat end shared.
@@ -233,7 +234,7 @@ def test_per_block_plans_share_the_builtins_programs(frontier_run, two_layer):
     wl, opt = build_workload(cfg), make_optimizer(cfg.optimizer)
     P, B = wl.abstract_params, wl.abstract_batch
     an = pl.analyze(wl.loss_fn, P, B, opt, calibrate=False)
-    digests = {name: step_digest(baselines.builtin_loss(name, wl.loss_fn, P, B), P, B, opt)
+    digests = {name: step_digest(baselines.builtin_loss(name, Step(wl.loss_fn), P, B), P, B, opt)
                for name in baselines.POLICIES}
     assert len(set(digests.values())) == len(digests)  # three different programs
     assert step_digest(wl.loss_fn, P, B, opt) not in digests.values()
@@ -322,8 +323,8 @@ def test_plan_max_compiles_caps_one_call(two_layer):
     budget = (an.min_feasible_budget() + 3 * an.noremat.peak_bytes) // 4
     calls = []
     with pytest.MonkeyPatch.context() as mp:
-        real = pl.measure
-        mp.setattr(pl, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
+        real = pl.measure_step
+        mp.setattr(pl, "measure_step", lambda *a, **k: calls.append(1) or real(*a, **k))
         try:
             p = pl.plan(wl.loss_fn, P, B, budget, opt, analysis=an, max_compiles=1)
             assert p.metadata["compiles"] == 1 and p.measured_peak_bytes <= budget

@@ -134,6 +134,19 @@ def test_baselines_sit_between_verify_and_the_planner():
     assert "remat_planner.planner" in readers
 
 
+def test_step_sits_below_the_stages_that_take_it():
+    """step.py, the training step as one value (loss, optimizer, has_aux, sharding), is
+    taken by apply, verify, baselines, the planner and the front ends: it imports only
+    the sharding it carries (and what that reads, the tracer), none of the stages."""
+    graph, _ = import_graph()
+    below = nx.descendants(graph, "remat_planner.step")
+    stages = {f"remat_planner.{m}" for m in ("graph", "memory", "solve", "scan", "apply",
+                                              "verify", "planner", "baselines", "cli",
+                                              "frontier", "maxbatch", "explain", "export")}
+    assert not below & stages, f"step reaches {sorted(below & stages)}"
+    assert "remat_planner.sharding" in below
+
+
 def _numeric(node) -> bool:
     """A number, or arithmetic on numbers (`1 << 20`, `6 - 2`, names of constants aside)."""
     if isinstance(node, ast.Constant):

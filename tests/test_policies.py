@@ -9,6 +9,7 @@ import numpy as np
 import remat_planner as rp
 from remat_planner import planner as pl
 from remat_planner.baselines import measure_builtin
+from remat_planner.step import Step
 from remat_planner.plan import DOTS, DOTS_NARROW, DOTS_NO_BATCH, STORE, Segment
 from remat_planner.policies import dot_is_narrow, dot_output_size
 from test_pipeline import tiny  # noqa: F401  (gpt2-tiny workload, optimizer, analysis)
@@ -89,5 +90,5 @@ def test_dots_narrow_plan_gradients_exact_and_cheaper_than_builtin(tiny):
     # XLA agrees: fewer FLOPs than JAX's dots_with_no_batch_dims_saveable per block
     P, B = wl.abstract_params, wl.abstract_batch
     ours = rp.measure(plan.apply(wl.loss_fn), P, B, opt)
-    builtin = measure_builtin("dots_with_no_batch_dims_saveable", wl.loss_fn, P, B, opt)
+    builtin = measure_builtin("dots_with_no_batch_dims_saveable", Step(wl.loss_fn, opt), P, B)
     assert ours.flops < builtin.flops

@@ -14,6 +14,7 @@ import pytest
 import remat_planner as rp
 from remat_planner import planner, scan
 from remat_planner.baselines import builtin_loss
+from remat_planner.step import Step
 from remat_planner.errors import PlanMismatchError
 from remat_planner.memory import simulate
 from remat_planner.models.gpt2_workload import GPT2Settings, build_gpt2
@@ -375,7 +376,7 @@ def test_unrolled_and_scanned_plans_cost_the_same():
 # ---------------------------------------------------------------------------------------
 
 def test_builtin_policy_goes_on_the_scan_body(scanned, analysis, real_inputs, reference):
-    loss = builtin_loss("nothing_saveable", scanned.loss_fn, scanned.abstract_params,
+    loss = builtin_loss("nothing_saveable", Step(scanned.loss_fn), scanned.abstract_params,
                         scanned.abstract_batch)
     none = analysis.noremat  # the same step without remat
     remat = measure(loss, scanned.abstract_params, scanned.abstract_batch, OPT)

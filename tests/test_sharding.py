@@ -16,7 +16,8 @@ from remat_planner.cli import main
 from remat_planner.config import build_workload, load_config, make_optimizer
 from remat_planner.errors import ConfigError
 from remat_planner.memory import compiler_options
-from remat_planner.verify import jit_kwargs
+from remat_planner.sharding import jit_kwargs
+from remat_planner.step import Step
 
 CONFIG = "configs/llama-tiny.yaml"
 BATCH = 32  # divisible by the 8 (dp, fsdp) and 4 (fsdp+tp) data shards
@@ -92,7 +93,7 @@ def test_plans_fit_per_device_budget_and_gradients_are_exact(workload, analysis,
     # Gradients and loss of the sharded planned step equal the unsharded unplanned ones.
     params, batch = real_inputs
     planned = plans[-1].apply(wl.loss_fn)
-    kw = jit_kwargs(an.sharding, wl.abstract_params, wl.abstract_batch)
+    kw = jit_kwargs(Step(planned, sharding=an.sharding), wl.abstract_params, wl.abstract_batch)
     grad_fn = jax.jit(jax.value_and_grad(planned), compiler_options=compiler_options(),
                       in_shardings=(kw["in_shardings"][0], *kw["in_shardings"][1]),
                       out_shardings=(sh.step_shardings(an.sharding, wl.abstract_params,
@@ -400,11 +401,12 @@ def test_unpaired_kernels_stay_replicated_under_tp():
         wl = build_workload(cfg)
         program = trace(wl.loss_fn, wl.abstract_params, *wl.abstract_batch)
         assert sh.unpaired_kernels(program, wl.abstract_params, spec) == unpaired, config
-    kept = sh.with_unpaired(spec, wl.loss_fn, wl.abstract_params, wl.abstract_batch)
+    kept = sh.with_unpaired(Step(wl.loss_fn, sharding=spec), wl.abstract_params,
+                            wl.abstract_batch)
     assert kept.replicated == expected["vit-tiny"]
     assert sh.param_spec("patch_embed/kernel", (4, 4, 3, 128), kept) == P(None, None, None, "data")
     assert sh.param_spec("patch_embed/kernel", (4, 4, 3, 128), spec) == P(None, "data", None, "model")
     assert sh.ShardingSpec.from_dict(kept.to_dict()) == kept
     assert "replicated" not in spec.to_dict()
-    assert sh.with_unpaired(sh.ShardingSpec.make("data=8", "fsdp"), wl.loss_fn,
+    assert sh.with_unpaired(Step(wl.loss_fn, sharding=sh.ShardingSpec.make("data=8", "fsdp")),
                             wl.abstract_params, wl.abstract_batch).replicated == ()
