@@ -11,7 +11,7 @@ import re
 from collections import Counter
 from typing import Sequence
 
-from .memory import _run
+from .memory import run_chain
 from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, KeepRule, Plan,
                    ScanOption, ScanScheme, Segment, Store, parse_option)
 from .units import DEFAULT_UNITS, Units, format_flops
@@ -259,7 +259,7 @@ def segment_rows(plan: Plan, analysis=None) -> list[Row]:
                 keeps = "only its inputs: one checkpoint around the segments below"
                 if chain is not None:
                     kept = chain.region_input_bytes(s.start, s.stop)
-                    flops = _run(chain, s.children, 0, inside_region=True)[1]
+                    flops = run_chain(chain, s.children, 0, inside_region=True)[1]
             else:
                 keeps = keep_words(s.option, subs)
                 if s.saved and s.kind not in (Store(), KeepRule(NOTHING)):

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from .describe import stage_label
-from .memory import (_run, differentiated, make_segment_fn, residuals, stage_io, timeline,
+from .memory import (run_chain, differentiated, make_segment_fn, residuals, stage_io, timeline,
                      varying_values)
 from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, KeepRule, Plan,
                    ScanOption, Segment, Store)
@@ -132,7 +132,7 @@ def _explain_segment(an: Analysis, plan: Plan, seg: Segment, defining,
     if seg.children:
         kept = _once(_inputs(program, plan, seg, defining), listed)
         children = tuple(_explain_segment(an, plan, c, defining, listed) for c in seg.children)
-        _, cost = _run(chain, seg.children, 0, inside_region=True)
+        _, cost = run_chain(chain, seg.children, 0, inside_region=True)
         modelled = chain.region_input_bytes(seg.start, seg.stop)
     else:
         children = ()

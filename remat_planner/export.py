@@ -522,7 +522,7 @@ def module_plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, ana
             "the step has no module whose equations form whole stages of the plan (a "
             "repeated block, or a module alone in a stage), so no plan is all nn.remat of "
             "whole modules; use plan.apply instead"))
-    costs = planner._PlanCosts(an, planner.resolve_cost_model(None))
+    costs = planner.PlanCosts(an, planner.resolve_cost_model(None))
     # the step measured: this call's loss and optimizer, the analysis's has_aux and sharding
     step = an.step.replace(loss_fn=loss_fn, optimizer=optimizer)
     candidates = []
@@ -540,11 +540,11 @@ def module_plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, ana
             break
         tried += 1
         say(f"verifying a whole-module plan ({tried}/{max_compiles})")
-        p = planner._make_plan(an, Solution(segments, cost, act), budget_bytes, params, batch, 0,
+        p = planner.make_plan(an, Solution(segments, cost, act), budget_bytes, params, batch, 0,
                                costs=costs)
-        m = planner._measure_plan(an, p, step, params, batch)
+        m = planner.measure_plan(an, p, step, params, batch)
         if m.peak_bytes <= budget_bytes:
-            return planner._with_measurement(p, m, whole_modules=True)
+            return planner.with_measurement(p, m, whole_modules=True)
     raise InfeasibleBudgetError(budget_bytes, smallest, detail=(
         f"no plan of nn.remat over whole modules fits ({tried} checked with XLA)"))
 

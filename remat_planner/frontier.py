@@ -283,16 +283,16 @@ def aim(wl, optimizer, an, budget: int, costs=None,
     model's); skip: the per-block plans (per_block_plans), which model_error leaves out.
     """
     if costs is None:
-        costs = pl._PlanCosts(an, pl.resolve_cost_model(None))
+        costs = pl.PlanCosts(an, pl.resolve_cost_model(None))
     P, B, step = wl.abstract_params, wl.abstract_batch, _step(wl, optimizer, an)
-    have = pl._cheapest_verified(an, budget, step, P, B, costs)
+    have = pl.cheapest_verified(an, budget, step, P, B, costs)
     error = max(0, model_error(an, skip))
     try:
         model = pl.plan(wl.loss_fn, P, B, budget - error, optimizer, analysis=an,
                         verify=False)
     except InfeasibleBudgetError:
         return None, error, False
-    need = pl._cached_measurement(an, model, step) is None and (
+    need = pl.cached_measurement(an, model, step) is None and (
         have is None or have.recompute_overhead - model.recompute_overhead >= FLAT_GAIN)
     return model, error, need
 
@@ -302,15 +302,15 @@ def _settle(wl, optimizer, an, budget: int, label: str, noremat_flops: float, co
     """A sweep point's result once its plan is measured (or not, `made` 0): the cheapest
     plan XLA measured in this run within `budget`."""
     P, B, step = wl.abstract_params, wl.abstract_batch, _step(wl, optimizer, an)
-    best = pl._cheapest_verified(an, budget, step, P, B, costs)
+    best = pl.cheapest_verified(an, budget, step, P, B, costs)
     if best is None:
         lowest = min((m.peak_bytes for m in an.verified.values()), default=budget)
         return Point("planner", label, budget, None, None, noremat_flops, compiles=made,
                      note=f"infeasible: smallest feasible {lowest:,} bytes",
                      min_feasible_bytes=lowest)
     if model is not None and best.segments == model.segments:
-        m = pl._cached_measurement(an, model, step)
-        p = pl._with_measurement(dataclasses.replace(
+        m = pl.cached_measurement(an, model, step)
+        p = pl.with_measurement(dataclasses.replace(
             model, budget_bytes=budget, predicted_peak_bytes=model.predicted_peak_bytes + error),
             m, verify_rounds=1)
         return _point(p, label, budget, noremat_flops, compiles=made)
@@ -328,7 +328,7 @@ def _shot(wl, optimizer, an, budget: int, label: str, noremat_flops: float, cost
     budget only. Returns the point and the compiles made (0 or 1)."""
     model, error, need = aim(wl, optimizer, an, budget, costs, skip)
     if need:
-        pl._measure_plan(an, model, _step(wl, optimizer, an), wl.abstract_params,
+        pl.measure_plan(an, model, _step(wl, optimizer, an), wl.abstract_params,
                          wl.abstract_batch)
     return _settle(wl, optimizer, an, budget, label, noremat_flops, costs, model, error,
                    int(need)), int(need)
@@ -360,7 +360,7 @@ def _measure_per_block(wl, optimizer, an, costs,
     """Measure the planner's per-block plans (planner.per_block_plans: every copy of a
     repeated block checkpointed whole under nothing_saveable, dots_with_no_batch_dims_saveable
     or dots_saveable, the rest stored, replayed like any plan) once, on `an`, so that every
-    planner call of the sweep can reuse them (planner._cheaper_verified): what a single
+    planner call of the sweep can reuse them (planner.cheaper_verified): what a single
     plan() call probes late, with the compiles the sweep's calls do not have.
 
     `programs` returns the map from step digests to XLA's measurements that the built-ins
@@ -373,9 +373,9 @@ def _measure_per_block(wl, optimizer, an, costs,
     todo = []
     for segments in pl.per_block_plans(an):
         act, cost = pl.simulate(costs.objective_chain, segments)
-        p = pl._make_plan(an, pl.Solution(segments, cost, act), an.noremat.peak_bytes, P, B,
+        p = pl.make_plan(an, pl.Solution(segments, cost, act), an.noremat.peak_bytes, P, B,
                           0, costs=costs)
-        if pl._cached_measurement(an, p, step) is None:
+        if pl.cached_measurement(an, p, step) is None:
             todo.append(p)
     known = programs() if todo and programs is not None else None
     for p in todo:
@@ -384,7 +384,7 @@ def _measure_per_block(wl, optimizer, an, costs,
             hash(key)
         except TypeError:  # an optimizer that cannot be a dict key: no reuse
             made += 1
-            pl._measure_plan(an, p, step, P, B)
+            pl.measure_plan(an, p, step, P, B)
             continue
         before = len(known) if known is not None else 0
         an.verified[key] = measure_step(step.planned(p), P, B, programs=known)
@@ -401,12 +401,12 @@ def _reuse_verified(wl, optimizer, an, pts: list[Point], noremat_flops: float) -
     a smaller one. No compile; a point's figures stay XLA's for the plan it names. A point
     whose plan recomputes nothing keeps it (XLA counts some remat plans below the step
     without remat: that is not less work)."""
-    costs = pl._PlanCosts(an, pl.resolve_cost_model(None))
+    costs = pl.PlanCosts(an, pl.resolve_cost_model(None))
     tol = REUSE_TOLERANCE * noremat_flops
     for i, pt in enumerate(pts):
         if pt.feasible and pt.predicted_overhead == 0.0:
             continue
-        p = pl._cheapest_verified(an, pt.budget_bytes, _step(wl, optimizer, an),
+        p = pl.cheapest_verified(an, pt.budget_bytes, _step(wl, optimizer, an),
                                   wl.abstract_params, wl.abstract_batch, costs)
         if p is None or (pt.feasible and p.measured_flops >= pt.flops - tol):
             continue
@@ -466,12 +466,12 @@ def _shots(wl, optimizer, an, queue, k: int, costs, skip, pool, nf: float, label
     P, B, step = wl.abstract_params, wl.abstract_batch, _step(wl, optimizer, an)
     later = pool.submit(_measure_alone, an, pair[3], wl, optimizer) if pair else None
     if need:
-        pl._measure_plan(an, model, step, P, B)
+        pl.measure_plan(an, model, step, P, B)
     out = []
     if later is not None:
         m2 = later.result()
         if m2 is None:  # an optimizer that cannot be a dict key
-            pl._measure_plan(an, pair[3], step, P, B)
+            pl.measure_plan(an, pair[3], step, P, B)
         else:
             an.verified.setdefault((pair[3].segments, optimizer), m2)
     out.append((kind, i, _settle(wl, optimizer, an, budget, label(kind, i), nf, costs,
@@ -538,7 +538,7 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
                  else InlineExecutor().submit(lambda: nr))
         noremat = Point("builtin", baselines.NO_REMAT, None, nr.peak_bytes, nr.flops, nf,
                         plan="no checkpoint")
-        costs = pl._PlanCosts(an, pl.resolve_cost_model(None))
+        costs = pl.PlanCosts(an, pl.resolve_cost_model(None))
 
         def builtin_programs() -> dict:
             """The map the per-block built-ins were measured into, once they are."""
@@ -583,7 +583,7 @@ def sweep(wl, optimizer, *, points: int = MIN_POINTS, config: str = "",
                 # Measured on the worker: planner.plan finds it measured, the point
                 # counts it.
                 step(what(budget, kind, i))
-                top_new = pl._cached_measurement(an, top, _step(wl, optimizer, an)) is None
+                top_new = pl.cached_measurement(an, top, _step(wl, optimizer, an)) is None
                 if top_new and top_m is not None:
                     an.verified[(top.segments, optimizer)] = top_m
                 pt = _plan_point(wl, optimizer, an, budget, label(kind, i), nf, say,

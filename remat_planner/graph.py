@@ -685,7 +685,7 @@ def _stages_and_blocks(program: Program, graph: nx.DiGraph, max_stages: int):
     bounds = [0, *cuts, n]
     stages = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
-        stages.append(Stage(lo, hi, _stage_name(program, lo, hi), float(sum(flops[lo:hi])),
+        stages.append(Stage(lo, hi, stage_name(program, lo, hi), float(sum(flops[lo:hi])),
                             stage_bytes(graph, lo, hi)))
     return tuple(stages), groups
 
@@ -903,7 +903,7 @@ def _thin(candidates: list[int], crossing: np.ndarray, n: int, keep: int) -> lis
     return sorted(set(chosen))
 
 
-def _stage_name(program: Program, lo: int, hi: int) -> str:
+def stage_name(program: Program, lo: int, hi: int) -> str:
     """The module path the stage's equations share, with the distinct modules one level
     below it in order: `Model/transformer/h/0[ln_1,attn]`. A stage without module paths
     (plain JAX) is named by its equation range."""

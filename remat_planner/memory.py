@@ -900,17 +900,17 @@ def simulate(chain: ChainModel, segments: Sequence[Segment]) -> tuple[int, float
     with its children's plan, keeping its input meanwhile (which its first child, keeping
     the same arrays, does not add again: ChainModel.first_child_shared_bytes).
     """
-    return _run(chain, segments, 0, inside_region=False)
+    return run_chain(chain, segments, 0, inside_region=False)
 
 
 def timeline(chain: ChainModel, segments: Sequence[Segment]) -> list[TimelinePoint]:
     """The schedule `simulate` walks, one point per segment step; max(live) is the peak."""
     events: list[TimelinePoint] = []
-    _run(chain, segments, 0, inside_region=False, events=events)
+    run_chain(chain, segments, 0, inside_region=False, events=events)
     return events
 
 
-def _run(chain, segments, live: int, inside_region: bool, events=None,
+def run_chain(chain, segments, live: int, inside_region: bool, events=None,
          region: tuple[int, int] | None = None) -> tuple[int, float]:
     """Peak and recompute FLOPs of the segment list `segments` run with `live` bytes
     already live. `inside_region`: the list is a region's recomputation (its forward
@@ -938,7 +938,7 @@ def _run(chain, segments, live: int, inside_region: bool, events=None,
         if seg.children:
             # The region's input is live again for its recomputation: what it kept (less,
             # as a first child, what its parent holds already).
-            sub_peak, sub_cost = _run(chain, seg.children, before + keep, inside_region=True,
+            sub_peak, sub_cost = run_chain(chain, seg.children, before + keep, inside_region=True,
                                       events=events, region=(seg.start, seg.stop))
             peak = max(peak, sub_peak)
             cost += sub_cost

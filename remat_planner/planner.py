@@ -424,7 +424,7 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     step = an.step.replace(loss_fn=loss_fn, optimizer=optimizer)
     overhead = an.fixed.total + an.calibration_bytes
     model = resolve_cost_model(cost_model)
-    costs = _PlanCosts(an, model)
+    costs = PlanCosts(an, model)
     solver = ChainSolver(costs.objective_chain,
                          max(an.noremat_activation_bytes, budget_bytes - overhead, 1))
     min_act = solver.min_feasible_bytes()
@@ -443,7 +443,7 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
             # tests/test_closed_loop_recovery.py: the model said 3.51 MB, XLA measured its
             # most frugal plan at 3,704,704 B): measure that plan, so that the budget
             # named is one a plan fits.
-            frugal = _make_plan(an, solver.solve(min_act), budget_bytes, params, batch,
+            frugal = make_plan(an, solver.solve(min_act), budget_bytes, params, batch,
                                 correction=0, costs=costs)
             say("measuring the most frugal plan with XLA, to name the smallest budget")
             compiles = _Compiles(MAX_VERIFY_COMPILES if max_compiles is None else max_compiles)
@@ -452,7 +452,7 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
             if measured.peak_bytes <= budget_bytes:
                 # The model overstates it, and XLA fits it (bert-tiny: the model's smallest
                 # feasible budget 14,458,818 B, this plan 14,329,248 B by XLA).
-                fits = _with_measurement(frugal, measured)
+                fits = with_measurement(frugal, measured)
             # The plans a user writes by hand with nn.remat per block may fit where the
             # model says none does (the corpus U-Net: the model puts every block under
             # nothing_saveable at 3.98 MB, XLA at 3,445,980 B).
@@ -469,7 +469,7 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
                              default=measured.peak_bytes)
         raise InfeasibleBudgetError(budget_bytes, min_budget)
     if not verify:
-        p = _make_plan(an, first, budget_bytes, params, batch, correction=0, costs=costs)
+        p = make_plan(an, first, budget_bytes, params, batch, correction=0, costs=costs)
         return dataclasses.replace(p, metadata={**p.metadata, **_labels(an, budget)})
 
     # Closed loop. `target` is the budget handed to the model; the gap between XLA's
@@ -498,9 +498,9 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
                       <= budget_bytes * (1 + PER_BLOCK_MARGIN)
                       for segments in per_block_plans(an)))
     for round_ in range(max_rounds):
-        p = _make_plan(an, solution, budget_bytes, params, batch, correction, costs=costs)
+        p = make_plan(an, solution, budget_bytes, params, batch, correction, costs=costs)
         if (round_ > 0 and compiles.left <= reserve
-                and _cached_measurement(an, p, step) is None):
+                and cached_measurement(an, p, step) is None):
             tried.remove(solution.segments)  # not measured: a probe may still try it
             break
         say(f"verifying with XLA (round {round_ + 1})")
@@ -508,7 +508,7 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
         if m is None:
             break
         lowest_peak = m.peak_bytes if lowest_peak is None else min(lowest_peak, m.peak_bytes)
-        p = _with_measurement(p, m, verify_rounds=round_ + 1)
+        p = with_measurement(p, m, verify_rounds=round_ + 1)
         correction = m.peak_bytes - (p.predicted_peak_bytes - correction)
         if m.peak_bytes <= budget_bytes:
             if best is None or solution.recompute_flops < best_cost:  # in the objective's units
@@ -549,7 +549,7 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
                                 costs, compiles)
         best = _probe_cheaper(an, solver, best, budget_bytes, tried, step, params, batch, say,
                               costs, compiles)
-        best = _cheaper_verified(an, best, budget_bytes, step, params, batch, say, costs)
+        best = cheaper_verified(an, best, budget_bytes, step, params, batch, say, costs)
         return dataclasses.replace(best, metadata={
             **best.metadata, "verify_rounds": compiles.measured, "compiles": compiles.used,
             **labels})
@@ -557,7 +557,7 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     # XLA measured at another budget of this analysis (a sweep's smaller budget), may
     # fit: the model's error differs per plan.
     _probe_per_block(an, None, budget_bytes, tried, step, params, batch, say, costs, compiles)
-    fallback = _cheapest_verified(an, budget_bytes, step, params, batch, costs)
+    fallback = cheapest_verified(an, budget_bytes, step, params, batch, costs)
     if fallback is not None:
         say("a plan XLA measured at another budget of this analysis fits: taking it")
         return dataclasses.replace(fallback, metadata={
@@ -594,19 +594,19 @@ class _Compiles:
 
     def measure(self, an: Analysis, p: Plan, step: Step, params, batch) -> Measurement | None:
         """XLA's figures for `p`, or None when it would need a compile and none is left."""
-        cached = _cached_measurement(an, p, step)
+        cached = cached_measurement(an, p, step)
         if cached is None:
             if self.left <= 0:
                 return None
             self.used += 1
         self.measured += 1
-        return cached or _measure_plan(an, p, step, params, batch)
+        return cached or measure_plan(an, p, step, params, batch)
 
 
 
 
 def _probe_cheaper(an: Analysis, solver: ChainSolver, best: Plan, budget_bytes: int, tried: list,
-                   step: Step, params, batch, say, costs: "_PlanCosts",
+                   step: Step, params, batch, say, costs: "PlanCosts",
                    compiles: _Compiles) -> Plan:
     """Try the next cheaper plans on the model's frontier with XLA.
 
@@ -635,7 +635,7 @@ def _probe_cheaper(an: Analysis, solver: ChainSolver, best: Plan, budget_bytes: 
             break  # frontier points come in increasing bytes: the rest are further over
         tried.append(solution.segments)
         probes += 1
-        p = _make_plan(an, solution, budget_bytes, params, batch, error, costs=costs)
+        p = make_plan(an, solution, budget_bytes, params, batch, error, costs=costs)
         say(f"verifying a cheaper plan the model puts {p.predicted_peak_bytes - budget_bytes:+d} "
             "bytes from the budget (probe)")
         m = compiles.measure(an, p, step, params, batch)
@@ -644,7 +644,7 @@ def _probe_cheaper(an: Analysis, solver: ChainSolver, best: Plan, budget_bytes: 
         if m.peak_bytes > budget_bytes:
             continue  # the model's error differs per plan: a later point may still fit
         if (objective(p.segments) < best_cost) if timed else (m.flops < best.measured_flops):
-            best = _with_measurement(p, m)
+            best = with_measurement(p, m)
             best_cost = objective(p.segments) if timed else best.recompute_flops
     return best
 
@@ -723,7 +723,7 @@ def _scan_whole_body(stage: StageProfile, rule: str):
 
 
 def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: list, step: Step,
-                     params, batch, say, costs: "_PlanCosts",
+                     params, batch, say, costs: "PlanCosts",
                      compiles: _Compiles, error: int | None = None,
                      wide: bool = False) -> Plan | None:
     """Compile the per-block plans (per_block_plans) that would recompute less than `best`
@@ -749,7 +749,7 @@ def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: 
 
     def block_error() -> int | None:
         errors = [m.peak_bytes - model_peak(segments) for segments in plans
-                  if (m := _cached_measurement(an, segments, step)) is not None]
+                  if (m := cached_measurement(an, segments, step)) is not None]
         return min(errors) if errors else None
 
     def model_flops(segments) -> float:
@@ -785,7 +785,7 @@ def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: 
             e, margin = measured_error, PER_BLOCK_MARGIN
         if an.predicted_peak(act) + e > budget_bytes * (1 + margin):
             continue
-        p = _make_plan(an, Solution(segments, cost, act), budget_bytes, params, batch, e,
+        p = make_plan(an, Solution(segments, cost, act), budget_bytes, params, batch, e,
                        costs=costs)
         say("verifying a plan with one keep rule per block (probe)")
         m = compiles.measure(an, p, step, params, batch)
@@ -794,13 +794,13 @@ def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: 
         tried.append(segments)
         if m.peak_bytes <= budget_bytes:
             if best is None or m.flops < best.measured_flops:
-                best = _with_measurement(p, m)
+                best = with_measurement(p, m)
             break
     return best
 
 
-def _cheaper_verified(an: Analysis, best: Plan, budget_bytes: int, step: Step, params, batch,
-                      say, costs: "_PlanCosts") -> Plan:
+def cheaper_verified(an: Analysis, best: Plan, budget_bytes: int, step: Step, params, batch,
+                      say, costs: "PlanCosts") -> Plan:
     """The cheapest plan XLA already measured on this analysis within `budget_bytes`.
 
     The closed loop's rounds end where the model's per-plan error leads them, so planning
@@ -842,8 +842,8 @@ def _cheaper_verified(an: Analysis, best: Plan, budget_bytes: int, step: Step, p
     return _from_verified(an, *found, budget_bytes, params, batch, costs)
 
 
-def _cheapest_verified(an: Analysis, budget_bytes: int, step: Step, params, batch,
-                       costs: "_PlanCosts") -> Plan | None:
+def cheapest_verified(an: Analysis, budget_bytes: int, step: Step, params, batch,
+                       costs: "PlanCosts") -> Plan | None:
     """The plan with the fewest XLA FLOPs among those XLA measured on this analysis within
     `budget_bytes` (by the model's time with the time objective); None if there is none."""
     timed, optimizer = costs.model.kind == "time", step.optimizer
@@ -860,15 +860,15 @@ def _cheapest_verified(an: Analysis, budget_bytes: int, step: Step, params, batc
 
 
 def _from_verified(an: Analysis, segments, m: Measurement, budget_bytes: int, params, batch,
-                   costs: "_PlanCosts") -> Plan:
+                   costs: "PlanCosts") -> Plan:
     """The plan of `segments` with XLA's figures `m`, measured earlier on this analysis."""
     peak, objective = simulate(costs.objective_chain, segments)
-    p = _make_plan(an, Solution(segments, objective, peak), budget_bytes, params, batch,
+    p = make_plan(an, Solution(segments, objective, peak), budget_bytes, params, batch,
                    m.peak_bytes - an.predicted_peak(peak), costs=costs)
-    return _with_measurement(p, m, verified_at_another_budget=True)
+    return with_measurement(p, m, verified_at_another_budget=True)
 
 
-def _with_measurement(p: Plan, m: Measurement, **metadata) -> Plan:
+def with_measurement(p: Plan, m: Measurement, **metadata) -> Plan:
     """Plan `p` with XLA's figures `m` for it (and its collectives, when sharded)."""
     if m.communication is not None:
         metadata["communication"] = m.communication
@@ -876,7 +876,7 @@ def _with_measurement(p: Plan, m: Measurement, **metadata) -> Plan:
                                metadata={**p.metadata, **metadata})
 
 
-def _cached_measurement(an: Analysis, p: "Plan | tuple[Segment, ...]",
+def cached_measurement(an: Analysis, p: "Plan | tuple[Segment, ...]",
                         step: Step) -> Measurement | None:
     """XLA's figures for plan `p` (or the plan of these segments) if this analysis
     measured it before, with `step`'s optimizer."""
@@ -887,7 +887,7 @@ def _cached_measurement(an: Analysis, p: "Plan | tuple[Segment, ...]",
         return None
 
 
-def _measure_plan(an: Analysis, p: Plan, step: Step, params, batch) -> Measurement:
+def measure_plan(an: Analysis, p: Plan, step: Step, params, batch) -> Measurement:
     """XLA's figures for plan `p` of `step` (the analysed step, or the same step with
     another loss or optimizer), compiled once per analysis."""
     try:
@@ -900,7 +900,7 @@ def _measure_plan(an: Analysis, p: Plan, step: Step, params, batch) -> Measureme
     return an.verified[key]
 
 
-class _PlanCosts:
+class PlanCosts:
     """The chain the solver minimises over (FLOPs or time units) and the reports of a
     plan's recompute in FLOPs and predicted seconds, whichever the objective."""
 
@@ -926,8 +926,8 @@ class _PlanCosts:
             "recompute_time_overhead_predicted": seconds / step if step else 0.0}}
 
 
-def _make_plan(an: Analysis, solution, budget_bytes: int, params, batch, correction: int,
-               costs: _PlanCosts | None = None) -> Plan:
+def make_plan(an: Analysis, solution, budget_bytes: int, params, batch, correction: int,
+               costs: PlanCosts | None = None) -> Plan:
     extra = costs.metadata(solution.segments) if costs is not None else {
         "recompute_flops": solution.recompute_flops, "metadata": {}}
     p = plan_from_segments(an, solution.segments, budget_bytes,

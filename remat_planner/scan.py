@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .constants import MAX_LAYERS_PER_ITERATION, MAX_SUB_STAGES, SCAN_MIN_SHARE
-from .graph import (CostGraph, Stage, _stage_name, build_graph, crossing_bytes, definitions,
+from .graph import (CostGraph, Stage, stage_name, build_graph, crossing_bytes, definitions,
                     eqn_flops, find_stages, jaxpr_bytes, jaxpr_flops, last_uses, stage_bytes)
 from .memory import (ChainModel, KeepOption, StageProfile, cut_overlap, profile_stages,
                      region_inputs, scale_chain, segment_keep, simulate, stage_io,
@@ -51,7 +51,7 @@ from .memory import (ChainModel, KeepOption, StageProfile, cut_overlap, profile_
 from .plan import (NOTHING, STORE, ScanPart, ScanScheme, Segment, StageInfo, Store,
                    layer_policies, mixed_name)
 from .solve import enumerate_plans
-from .trace import Eqn, Program, _Flattener, nbytes
+from .trace import Eqn, Program, Flattener, nbytes
 
 
 
@@ -104,7 +104,7 @@ def isolate(program: Program, cost: CostGraph, index: int) -> tuple[CostGraph, i
                 if lo == index:
                     scan_stage = len(stages)
                 flops = float(sum(cost.graph.nodes[("eqn", i)]["flops"] for i in range(lo, hi)))
-                stages.append(Stage(lo, hi, _stage_name(program, lo, hi), flops,
+                stages.append(Stage(lo, hi, stage_name(program, lo, hi), flops,
                                     stage_bytes(cost.graph, lo, hi)))
     name = _stack_name(program, index)
     stages[scan_stage] = dataclasses.replace(stages[scan_stage], name=name)
@@ -184,7 +184,7 @@ class Body:
 def layer_body(eqn: Eqn) -> Body:
     """The body of scan equation `eqn` as a Body (cached per equation)."""
     closed = eqn.params["jaxpr"]
-    flat = _Flattener()
+    flat = Flattener()
     invars = tuple(flat.new(v.aval) for v in closed.jaxpr.invars)
     env = dict(zip(closed.jaxpr.invars, invars))
     for cv, val in zip(closed.jaxpr.constvars, closed.consts):
@@ -198,7 +198,7 @@ def layer_body(eqn: Eqn) -> Body:
                            n_consts=eqn.params["num_consts"], n_carry=eqn.params["num_carry"])
     graph = build_graph(program)
     cuts = _sub_stage_cuts(program, graph)
-    stages = tuple(Stage(lo, hi, _stage_name(program, lo, hi),
+    stages = tuple(Stage(lo, hi, stage_name(program, lo, hi),
                          float(sum(graph.nodes[("eqn", i)]["flops"] for i in range(lo, hi))),
                          stage_bytes(graph, lo, hi))
                    for lo, hi in zip([0, *cuts], [*cuts, len(program.eqns)]))

@@ -113,7 +113,7 @@ class ChainSolver:
     def _region(self, a: int, c: int, keep: int) -> np.ndarray:
         """The region over [a, c) as a segment: its forward's peak, then its body run on
         top of the `keep` units its input adds to what is live (less than its input as a
-        first child, memory._run)."""
+        first child, memory.run_chain)."""
         if (a, c) not in self.fwd_need:
             self.fwd_need[(a, c)] = self._units(region_fwd_peak(self.chain, a, c))
         out = self._shift(self.B[(a, c)], keep).copy()

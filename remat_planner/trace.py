@@ -205,7 +205,7 @@ def trace(loss_fn: Callable, params, *batch, has_aux: bool = False) -> Program:
             "params have no floating-point leaves, so there is nothing to differentiate; "
             "pass the trainable parameters as the first argument of loss_fn")
 
-    builder = _Flattener()
+    builder = Flattener()
     invars = tuple(builder.new(v.aval) for v in closed.jaxpr.invars)
     env = dict(zip(closed.jaxpr.invars, invars))
     for cv, val in zip(closed.jaxpr.constvars, closed.consts):
@@ -216,7 +216,10 @@ def trace(loss_fn: Callable, params, *batch, has_aux: bool = False) -> Program:
                    builder.avals, in_tree, aux_tree)
 
 
-class _Flattener:
+class Flattener:
+    """Builds a flat Program: equations with integer value ids, sub-jaxprs inlined
+    (trace, and scan.py's body tracing)."""
+
     def __init__(self):
         self.eqns: list[Eqn] = []
         self.avals: dict[int, Any] = {}

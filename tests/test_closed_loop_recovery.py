@@ -14,7 +14,7 @@ analysis (two compiles) and at most four verification compiles per `rp.plan` cal
 Checked to fail with the recovery switched off, at dd3c3e8 on a copy of the tree: with
 `break` before the over-budget branch of `planner.plan`'s loop re-solves, the re-solve,
 suggested-budget and reuse tests fail (InfeasibleBudgetError: every plan over); with
-`_cheaper_verified` returning its `best`, the reuse test fails; with `_probe_cheaper` and
+`cheaper_verified` returning its `best`, the reuse test fails; with `_probe_cheaper` and
 `_probe_per_block` returning theirs, the probe test fails.
 """
 

@@ -295,3 +295,41 @@ monkeypatch.setattr(pl, "measure", None)
 "remat_planner/plan.py _private words"
 '''
     assert private_uses(clean) == []
+
+
+def cross_module_private_uses(source: str) -> list[tuple[int, str]]:
+    """(line, name) for every private name a package module takes from another package
+    module: `from .m import _x`, or `m._x` where `m` is a package module it imported
+    (`from . import planner as pl`). A module's own privates are its business."""
+    found, modules = [], set()
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or _ours(node.module or "")):
+            if node.module is None or node.module == "remat_planner":  # `from . import m`
+                modules |= {a.asname or a.name for a in node.names}
+            found += [(node.lineno, a.name) for a in node.names if _private(a.name)]
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and _private(node.attr)
+                and isinstance(node.value, ast.Name) and node.value.id in modules):
+            found.append((node.lineno, f"{node.value.id}.{node.attr}"))
+    return sorted(set(found))
+
+
+def test_modules_use_each_others_public_names_only():
+    """What one module of the package uses of another is public (and documented there):
+    the front ends call the planner's plan-measuring functions by their public names."""
+    found = [f"{f.relative_to(PACKAGE.parent)}:{line}: {name}"
+             for f in sorted(PACKAGE.rglob("*.py"))
+             for line, name in cross_module_private_uses(f.read_text())]
+    assert not found, "modules reach each other's private names:\n" + "\n".join(found)
+
+
+def test_the_cross_module_check_sees_private_imports_and_attributes():
+    source = '''
+from .memory import _run, simulate
+from . import planner as pl
+pl._make_plan(an)
+self._cache
+other._x
+'''
+    assert cross_module_private_uses(source) == [(2, "_run"), (4, "pl._make_plan")]
