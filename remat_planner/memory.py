@@ -12,9 +12,8 @@ cost. The solver optimises exactly this model; verify checks it against XLA.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
-from typing import Callable, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import jax
 import numpy as np
@@ -22,8 +21,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .graph import (CostGraph, definitions, jaxpr_bytes, jaxpr_flops, last_uses,
                     varying_values)
-from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, KeepRule, Option, Segment, Store,
-                   parse_option)
+from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, KeepRule, NamesAnOption, Segment,
+                   Store)
 from .policies import dot_is_narrow
 from .trace import Literal, Program, eval_eqn, eval_range, nbytes
 from .sharding import per_device_fixed, update_jit_kwargs
@@ -202,7 +201,7 @@ def with_stage_gradients(chain: "ChainModel", grads: Sequence[int]) -> "ChainMod
 # ---------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class KeepOption:
+class KeepOption(NamesAnOption):
     """One way to run a stage: what it keeps for the backward and what that costs.
 
     `name` is the keep option's name (an `Option` given here is stored by its name);
@@ -221,17 +220,7 @@ class KeepOption:
     # recompute_flops, the time cost model's input (costmodel.CostModel).
     recompute_bytes: float = 0.0
 
-    def __post_init__(self):
-        if isinstance(self.name, Option):
-            kind = self.name
-            object.__setattr__(self, "name", kind.name)
-            self.__dict__["kind"] = kind  # the cached_property's slot
-
-    @functools.cached_property
-    def kind(self) -> Option:
-        """The typed keep option (Store, KeepRule, ScanOption, ...); ValueError if `name`
-        names none (parse_option)."""
-        return parse_option(self.name)
+    OPTION_FIELD: ClassVar[str] = "name"
 
 
 @dataclasses.dataclass(frozen=True)

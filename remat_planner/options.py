@@ -21,6 +21,7 @@ This module imports nothing from the package: it is the base of the plan data.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import ClassVar, Sequence
@@ -274,3 +275,23 @@ def parse_option(name: str | Option) -> Option:
             return option
     raise ValueError(f"unknown keep option {name!r}: expected {STORE!r}, a keep rule "
                      f"({', '.join(KEEP_RULES)}) or a scan scheme ({SCAN_PREFIX!r}...)")
+
+
+class NamesAnOption:
+    """Mixin for a frozen dataclass whose field `OPTION_FIELD` names a keep option (a plan's
+    `Segment.option`, the memory model's `KeepOption.name`): the field may be given an
+    `Option`, whose name is stored, and `kind` is the option parsed once (ValueError if
+    the name names none, parse_option)."""
+
+    OPTION_FIELD: ClassVar[str]
+
+    def __post_init__(self):
+        value = getattr(self, self.OPTION_FIELD)
+        if isinstance(value, Option):
+            object.__setattr__(self, self.OPTION_FIELD, value.name)
+            self.__dict__["kind"] = value  # the cached_property's slot
+
+    @functools.cached_property
+    def kind(self) -> Option:
+        """The typed keep option (Store, KeepRule, ScanOption, ...)."""
+        return parse_option(getattr(self, self.OPTION_FIELD))

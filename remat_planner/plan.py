@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import functools
 import json
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 from .errors import ConfigError, PlanMismatchError
 # The plan space (keep-option names, the scan-scheme grammar, the typed option kinds) lives
 # in options.py; re-exported here, where the rest of the package has always found it.
 from .options import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, KEEP_RULES, NOTHING,  # noqa: F401
                       SCAN_PREFIX, STORE, KeepRule, Option, ScanOption, ScanPart, ScanScheme,
-                      Store, is_scan_option, layer_policies, mixed_name, option_kinds,
-                      parse_option, validate_option)
+                      NamesAnOption, Store, is_scan_option, layer_policies, mixed_name,
+                      option_kinds, parse_option, validate_option)
 from .sharding import ShardingSpec
 
 # Version 2 writes the step's typed fields (signature, has_aux, sharding, pinned) at top
@@ -25,7 +24,7 @@ _V1_STEP_KEYS = ("signature", "has_aux", "sharding", "pinned")
 
 
 @dataclasses.dataclass(frozen=True)
-class Segment:
+class Segment(NamesAnOption):
     """Stages [start, stop) of the chain, run with one keep option.
 
     A `store` segment is one stage outside any checkpoint. Any other segment is one
@@ -44,17 +43,7 @@ class Segment:
     saved: tuple[int, ...] = ()
     children: tuple["Segment", ...] = ()
 
-    def __post_init__(self):
-        if isinstance(self.option, Option):
-            kind = self.option
-            object.__setattr__(self, "option", kind.name)
-            self.__dict__["kind"] = kind  # the cached_property's slot
-
-    @functools.cached_property
-    def kind(self) -> Option:
-        """The typed keep option (Store, KeepRule, ScanOption, ...); ValueError if
-        `option` names none (parse_option)."""
-        return parse_option(self.option)
+    OPTION_FIELD: ClassVar[str] = "option"
 
     @property
     def is_checkpoint(self) -> bool:
