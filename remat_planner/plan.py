@@ -13,7 +13,7 @@ from .options import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, KEEP_RULES, NOTHING,  # 
                       SCAN_PREFIX, STORE, KeepRule, Option, ScanOption, ScanPart, ScanScheme,
                       NamesAnOption, Store, is_scan_option, layer_policies, mixed_name,
                       option_kinds, parse_option, validate_option)
-from .sharding import ShardingSpec
+from .sharding_spec import ShardingSpec
 
 # Version 2 writes the step's typed fields (signature, has_aux, sharding, pinned) at top
 # level; version 1 kept them in "metadata", and is still read (Plan.from_json).

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from .sharding import ShardingSpec, resolve
+from .sharding_spec import ShardingSpec, resolve
 
 
 @dataclasses.dataclass(frozen=True)
