@@ -386,23 +386,13 @@ def find_blocks(program: Program, flops=None, crossing=None) -> tuple[BlockGroup
                             held)
         more = [s for s in more if s - main.length not in more and s + main.length not in more]
         if more:
-            taken = np.zeros(n, dtype=bool)
-            for s in more:
-                taken[s:s + main.length] = True
-            kept = []
-            for g in groups:
-                if g is main:
-                    g = BlockGroup(tuple(sorted((*g.starts, *more))), g.length)
-                elif g.length < main.length:
-                    g = BlockGroup(tuple(s for s in g.starts
-                                         if not taken[s:s + g.length].any()), g.length)
-                if len(g.starts) >= 2:
-                    kept.append(g)
-            groups[:] = kept
+            grown = BlockGroup(tuple(sorted((*main.starts, *more))), main.length)
+            groups[:] = _take_over(groups, main, grown,
+                                   [(s, s + main.length) for s in more], n)
         # Each group's block with a branch added, next to its copies (every ResNet
         # stage's first block, whose shortcut has a projection), largest groups first.
-        for first in sorted((g.starts[0] for g in groups), key=lambda k: -next(
-                len(g.starts) * g.length for g in groups if g.starts[0] == k)):
+        weights = _weights(program)
+        for first in [g.starts[0] for g in sorted(groups, key=lambda g: -len(g.starts) * g.length)]:
             g = next((g for g in groups if g.starts[0] == first), None)
             if g is None:
                 continue
@@ -411,23 +401,10 @@ def find_blocks(program: Program, flops=None, crossing=None) -> tuple[BlockGroup
                 if other.length >= g.length or other.variants:
                     for lo, hi in other.ranges:
                         held[lo:hi] = True
-            variants = _variants(program, shape_free, g, held, crossing)
-            if not variants:
-                continue
-            taken = np.zeros(n, dtype=bool)
-            for lo, hi in variants:
-                taken[lo:hi] = True
-            kept = []
-            for other in groups:
-                if other is g:
-                    other = dataclasses.replace(g, variants=variants)
-                elif other.length < g.length and not other.variants:
-                    other = BlockGroup(tuple(s for s in other.starts
-                                             if not taken[s:s + other.length].any()),
-                                       other.length)
-                if len(other.starts) >= 2:
-                    kept.append(other)
-            groups[:] = kept
+            variants = _variants(program, shape_free, g, held, crossing, weights)
+            if variants:
+                groups[:] = _take_over(groups, g, dataclasses.replace(g, variants=variants),
+                                       variants, n)
     # Where no block repeats in a row, copies of one block anywhere (a U-Net). Where one
     # does, the rest is its surroundings: a ResNet's stem and the first half of its
     # projection block are alike up to shapes, but cutting there took the cuts the
@@ -461,19 +438,38 @@ def _reads(program: Program, values: set[int], lo: int, hi: int) -> int:
                 if isinstance(v, int) and v in values})
 
 
+def _take_over(groups: list[BlockGroup], g: BlockGroup, grown: BlockGroup, ranges,
+               n: int) -> list[BlockGroup]:
+    """`groups` with `g` replaced by `grown`, which adds `ranges` to it: the copies of
+    smaller groups (without variants of their own) overlapping those ranges go, and a
+    group left with fewer than two copies goes."""
+    taken = np.zeros(n, dtype=bool)
+    for lo, hi in ranges:
+        taken[lo:hi] = True
+    kept = []
+    for other in groups:
+        if other is g:
+            other = grown
+        elif other.length < g.length and not other.variants:
+            other = BlockGroup(tuple(s for s in other.starts
+                                     if not taken[s:s + other.length].any()), other.length)
+        if len(other.starts) >= 2:
+            kept.append(other)
+    return kept
+
+
 def _variants(program: Program, tok: np.ndarray, main: BlockGroup, held: np.ndarray,
-              crossing: np.ndarray) -> tuple[tuple[int, int], ...]:
+              crossing: np.ndarray, weights: set[int]) -> tuple[tuple[int, int], ...]:
     """Stretches right before a copy of `main`, or right after one, that hold every
     equation of its block in order, up to shapes (`tok`), plus at most VARIANT_EXTRA x
     its length more, and no equation of a copy or of another group's (`held`): the same
     block class with an added branch (a ResNet stage's first block). What is added has
-    weights of its own: the stretch reads more weights (_weights) than the block (a
+    weights of its own: the stretch reads more `weights` (_weights) than the block (a
     projection, not the activation of the block before). The free end is put
     where the least crosses (`crossing`), among the stretches that hold the block: the
     block's input, not its input and a projection of it."""
     block = tok[main.starts[0]:main.starts[0] + main.length]
     L, n = main.length, len(tok)
-    weights = _weights(program)
     block_weights = _reads(program, weights, main.starts[0], main.starts[0] + L)
     longest = L + int(VARIANT_EXTRA * L)
     taken = held.copy()
