@@ -219,6 +219,49 @@ def test_nested_scheme_peak_predicted_within_5pct(analysis, scanned):
     assert abs(model / xla - 1) <= 0.05, (model, xla)
 
 
+@pytest.fixture(scope="module")
+def wider():
+    """A scanned 6-layer GPT whose activations outweigh its parameters (d 128, batch
+    8 x 128: one layer's `dots_no_batch|dots_no_batch` keeps 5.2 MB, its parameters
+    0.8 MB), and its calibrated analysis."""
+    m = gpt2(True, n_layer=6, d_model=128, batch=8, seq=128)
+    return m, rp.analyze(m.loss_fn, m.abstract_params, m.abstract_batch, OPT)
+
+
+@pytest.mark.slow
+def test_mixed_iterations_predicted_within_3_5pct(wider):
+    """Iterations of 2 and 3 layers, predicted against XLA: XLA slices the iteration's
+    residuals out of the stack while the stack stays whole, so the layers not yet
+    differentiated are held twice (scan.mixed_plan). Measured -1.02%, +0.08% and -3.18%;
+    -8.3%, -13.4% and -8.6% before the copies were charged."""
+    m, an = wider
+    for option in ("scan:6x2*dots_no_batch|dots_no_batch", "scan:6x3*dots_no_batch|dots_no_batch",
+                   "scan:6x2*nothing|dots_no_batch"):
+        model, _, xla, _ = _model_and_xla(an, m, option)
+        assert abs(model / xla - 1) <= 0.035, (option, model, xla)
+
+
+def test_whole_body_checkpoints_run_one_layer_per_iteration(wider):
+    """No scheme on the stack's frontier puts a whole-body checkpoint (`[rule]`) among
+    several layers of one iteration: XLA recomputes them together (measured on this
+    stack: `2*[dots_no_batch]` -10.2%, `3*[dots_no_batch]` -24.7%,
+    `[dots_no_batch];nothing|nothing` -16.1% from the model), while one layer per
+    iteration stays in the plan space (what nn.remat(Block) inside nn.scan runs)."""
+    _, an = wider
+    stack = an.scan_chain.stack
+    whole = {p.name for p in stack.plans if p.whole_body}
+    assert whole  # the whole-body checkpoints were measured
+    schemes = [sch for sch, _ in scan.frontier_schemes(stack)]
+    single = {part.policy for sch in schemes for part in sch.parts
+              if len(layer_policies(part.policy)) == 1}
+    assert single & whole
+    for sch in schemes:
+        for part in sch.parts:
+            layers = layer_policies(part.policy)
+            if len(layers) > 1:
+                assert not set(layers) & whole, part.policy
+
+
 def test_mixed_iteration_model():
     """`a;2*b`: three layers per iteration; kept bytes and recompute add up, and the peak
     is the worst layer's backward with the earlier layers' keeps held."""
@@ -338,8 +381,11 @@ def test_unrolled_and_scanned_plans_cost_the_same():
     parameters = 7/8 X at g = 4), which unrolled blocks do not. So at every budget each
     planner matches the other's cost within 2% given eps = 2 X + 7/8 X + 2 carries more
     (measured before the cotangent term: the scan needed up to 2.02 X, the unrolled
-    planner none), and at the same budget they are equal within 2% on a third of the
-    grid or more.
+    planner none), and at the same budget they are equal within 2% on a quarter of the
+    grid or more: 12 of 41 measured, 13 or more before an iteration of g layers was
+    also charged the working copies of its residuals (scan.mixed_plan, which XLA
+    holds: test_mixed_iterations_predicted_within_3_5pct), which unrolled blocks do not
+    need either, so the scan meets the same cost a little less often.
     """
     solvers = []
     for scan_layers in (False, True):
@@ -368,7 +414,7 @@ def test_unrolled_and_scanned_plans_cost_the_same():
         assert close(cost(ss, budget + eps), cu), (budget, cu, cs)
         assert close(cost(su, budget + eps), cs), (budget, cu, cs)
         equal += close(cs, cu) and close(cu, cs)
-    assert equal >= 41 // 3
+    assert equal >= 41 // 4
 
 
 # ---------------------------------------------------------------------------------------
