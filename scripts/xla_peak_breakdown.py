@@ -5,8 +5,14 @@ instruction) and shape. Use it to find what the memory model misses on a model.
 The step is compiled on abstract shapes (nothing allocated) with XLA's dump on; the
 peak's live set is read from the dump's live-range report
 (`*-live-range.txt`, section "Live ranges at N (peak)") and each buffer's shape and op
-name from the optimized HLO. Run from the repository root on a model of the test corpus
-(tests/corpus.py):
+name from the optimized HLO. Each group says where XLA put its buffers: `temp` (the
+step's temporaries, what the memory model predicts) or `args` (the donated arguments'
+own buffers: parameters, optimizer state and batch, and values XLA placed in them once
+their contents were dead). Buffers listed as `(no op name)` of a parameter's shape are
+mostly XLA's copies of parameters the backward still reads after their update could
+run; they rotate through the donated parameter buffers and cost about one parameter of
+temp (docs/jax-facts.md, fact 6). Run from the repository root on a model of the test
+corpus (tests/corpus.py):
 
     python scripts/xla_peak_breakdown.py hf_gpt2 [store|checkpoint|nothing_saveable|
         dots_with_no_batch_dims_saveable|dots_saveable] [--top 20]
@@ -68,6 +74,23 @@ def peak_live_set(dump: Path) -> tuple[int, list[tuple[str, int]]]:
     return index, live
 
 
+def allocation_kinds(dump: Path) -> dict[str, str]:
+    """buffer name -> "temp" or "args": whether XLA's buffer assignment placed it in the
+    step's temporary allocation or in an argument's (donated) buffer."""
+    (report,) = dump.glob("*after_optimizations-buffer-assignment.txt")
+    kind, out = None, {}
+    for line in report.read_text().splitlines():
+        head = re.match(r"allocation \d+: size \d+, (.*)", line)
+        if head:
+            kind = ("temp" if "preallocated-temp" in head.group(1)
+                    else "args" if "parameter" in head.group(1) else "other")
+            continue
+        value = re.match(r"\s*value: <\d+ (\S+) @\d+>", line)
+        if value and kind is not None:
+            out[value.group(1)] = kind
+    return out
+
+
 def instructions(dump: Path) -> tuple[dict[str, tuple[str, str]], int]:
     """name -> (shape, op name) of every instruction of the optimized module, and the
     length of its schedule."""
@@ -106,20 +129,23 @@ def main() -> None:
         compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, batch).compile(options)
         index, live = peak_live_set(Path(tmp))
         info, length = instructions(Path(tmp))
+        where = allocation_kinds(Path(tmp))
     ma = compiled.memory_analysis()
     total = sum(b for _, b in live)
+    in_temp = sum(b for name, b in live if where.get(name) == "temp")
     print(f"{args.model}, plan {args.plan}: temp {ma.temp_size_in_bytes:,} B, arguments "
           f"{ma.argument_size_in_bytes:,} B; peak at instruction {index} of {length}, "
-          f"{len(live)} buffers live, {total:,} B")
-    groups: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
+          f"{len(live)} buffers live, {total:,} B ({in_temp:,} B of them in temp)")
+    groups: dict[tuple[str, str, str], list[int]] = collections.defaultdict(list)
     for name, size in live:
         shape, op = info.get(name, ("?", ""))
         op = re.sub(r"\[\\?'[^]]*\]", "[.]", op) if op.startswith(("params", "opt_state")) else op
-        groups[(op or "(no op name: a copy or layout change XLA added)", shape)].append(size)
+        groups[(op or "(no op name: a copy or layout change XLA added)", shape,
+                where.get(name, "?"))].append(size)
     rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
-    print(f"{'bytes':>12} {'n':>4}  {'shape':<22} produced by")
-    for (op, shape), sizes in rows[:args.top]:
-        print(f"{sum(sizes):>12,} {len(sizes):>4}  {shape:<22} {op}")
+    print(f"{'bytes':>12} {'n':>4}  {'in':<5} {'shape':<22} produced by")
+    for (op, shape, kind), sizes in rows[:args.top]:
+        print(f"{sum(sizes):>12,} {len(sizes):>4}  {kind:<5} {shape:<22} {op}")
 
 
 if __name__ == "__main__":
