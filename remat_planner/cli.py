@@ -500,6 +500,8 @@ def _report(cfg, wl, an, plan, baselines, seconds) -> dict:
         "fixed": {"params_bytes": an.fixed.params_bytes, "grads_bytes": an.fixed.grads_bytes,
                   # of grads_bytes, those live only in their stage's backward (not in total)
                   "staged_grads_bytes": an.fixed.staged_grads_bytes,
+                  # of grads_bytes, the others: live from the backward on (not in total)
+                  "timed_grads_bytes": an.fixed.timed_grads_bytes,
                   "opt_state_bytes": an.fixed.opt_state_bytes,
                   "batch_bytes": an.fixed.batch_bytes, "total_bytes": an.fixed.total},
         "no_remat": {"predicted_peak_bytes": an.noremat_predicted_peak,
@@ -539,6 +541,7 @@ _MEANING = {
     "params": "the model's parameters",
     "grads": "one gradient per parameter",
     "staged": "freed once their update is applied, so not in the total",
+    "timed": "absent in the forward, so charged where they exist, not in the total",
     "opt_state": "optimizer state (Adam/AdamW: two moments per parameter)",
     "batch": "the step's inputs",
     "total": "held through the whole step, whatever the plan",
@@ -581,6 +584,9 @@ def _print_report(report: dict, plan, an, units, plan_file: str | None = None) -
         if k == "grads_bytes" and fx["staged_grads_bytes"]:
             mem.add_row("  of which live only in their stage's backward",
                         fb(fx["staged_grads_bytes"]), _MEANING["staged"])
+        if k == "grads_bytes" and fx.get("timed_grads_bytes"):
+            mem.add_row("  of which live from the backward on", fb(fx["timed_grads_bytes"]),
+                        _MEANING["timed"])
     nr = report["no_remat"]
     mem.add_row("no remat: peak (XLA)", fb(nr["measured_peak_bytes"]) if nr["measured_peak_bytes"]
                 else "not verified", _MEANING["no_remat"])

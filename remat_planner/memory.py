@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from . import hlo
 from .graph import (CostGraph, definitions, jaxpr_bytes, jaxpr_flops, last_uses,
                     varying_values)
 from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, KeepRule, NamesAnOption, Segment,
@@ -64,11 +65,21 @@ class FixedMemory:
     # Of grads_bytes, the gradients charged to the backward of the one stage that uses
     # their parameter instead (stage_gradient_bytes): live only while it runs.
     staged_grads_bytes: int = 0
+    # Of grads_bytes, the other gradients, charged along the step where they exist
+    # (memory.with_gradient_timeline: not in the forward) and to the update.
+    timed_grads_bytes: int = 0
 
     @property
     def total(self) -> int:
         return (self.params_bytes + self.grads_bytes - self.staged_grads_bytes
-                + self.opt_state_bytes + self.batch_bytes + self.aux_bytes)
+                - self.timed_grads_bytes + self.opt_state_bytes + self.batch_bytes
+                + self.aux_bytes)
+
+    @property
+    def update_bytes(self) -> int:
+        """What the optimizer update adds to `total` after the backward: its workspace and
+        the timed gradients it reads."""
+        return self.update_temp_bytes + self.timed_grads_bytes
 
 
 def fixed_memory(params, batch, optimizer=None, sharding=None) -> FixedMemory:
@@ -188,6 +199,25 @@ def stage_gradient_bytes(program: Program, cost: CostGraph) -> tuple[int, ...]:
     return tuple(out)
 
 
+def with_gradient_timeline(chain: "ChainModel", timed: int,
+                           held: Sequence[int] | None) -> "ChainModel":
+    """The chain with `timed` bytes of gradients, left out of fixed memory
+    (FixedMemory.timed_grads_bytes), live where they exist: none in the step's own
+    forward, before any backward has run; all of them through the backward, or, where the
+    update holds every gradient until the backward ends (`held`: per stage, the bytes of
+    the gradients of the parameters only that stage uses, stage_gradient_bytes), those of
+    the stages whose backward has run, and of the parameters several stages use, from
+    its start. Measured (docs/jax-facts.md, fact 3): with clip_by_global_norm before
+    AdamW, XLA's temp holds every gradient at the end of the backward; no gradient is
+    live in the forward."""
+    n = chain.n
+    if held is None:
+        live = (int(timed),) * (n + 1)
+    else:
+        live = tuple(int(timed - sum(held[:k])) for k in range(n + 1))
+    return dataclasses.replace(chain, grads_live=live)
+
+
 def with_stage_gradients(chain: "ChainModel", grads: Sequence[int]) -> "ChainModel":
     """The chain with each stage's own gradients (stage_gradient_bytes) live in its backward."""
     stages = tuple(dataclasses.replace(s, grad_bytes=int(g)) for s, g in zip(chain.stages, grads))
@@ -263,6 +293,11 @@ class ChainModel:
     # (a, c, profile): stages [a, c) run as one checkpoint under a keep rule (a copy of a
     # repeated block, exactly what nn.remat(Block, policy=...) does); no `store` option.
     spans: tuple[tuple[int, int, "StageProfile"], ...] = ()
+    # grads_live[k]: bytes of the gradients fixed memory leaves out (FixedMemory.
+    # timed_grads_bytes) that exist while stage k's backward runs, or a recomputation
+    # ending at cut k (with_gradient_timeline). None exists in the step's own forward.
+    # Empty: none are left out.
+    grads_live: tuple[int, ...] = ()
 
     @property
     def n(self) -> int:
@@ -289,6 +324,11 @@ class ChainModel:
     def overlap_bytes(self, a: int, b: int) -> int:
         """Bytes crossing both cut a and cut b (a < b): counted once, not twice."""
         return self.overlap[a][b] if self.overlap else 0
+
+    def gradients_at(self, k: int) -> int:
+        """Bytes of the timed gradients that exist while stage k's backward runs, or a
+        recomputation ending at cut k: grads_live[k]."""
+        return self.grads_live[k] if self.grads_live else 0
 
     def region_input_bytes(self, a: int, b: int) -> int:
         """Bytes a checkpointed region over stages [a, b) keeps: the activations crossing
@@ -620,7 +660,12 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned
                                   recompute_bytes=float(rc[1])))
     wf = wb = 0
     if measure_xla and fn_outs:
-        wf, wb = _xla_workspace(base, in_avals, ct_avals, wrt, forward_alone)
+        wf, wb, xla_kept = _xla_workspace(base, in_avals, ct_avals, wrt, forward_alone,
+                                          frozenset(act_inputs))
+        if xla_kept is not None and isinstance(options[0].kind, Store):
+            # What XLA's fusion keeps of a stored stage, not JAX's residual list (hlo.py):
+            # the checkpoint options keep the named values, which XLA keeps as they are.
+            options[0] = dataclasses.replace(options[0], keep_bytes=xla_kept)
     return tuple(options), wf, wb, (start, stop)
 
 
@@ -729,25 +774,34 @@ def vjp_wrt(f, args, wrt):
     return jax.vjp(partial, *[args[i] for i in wrt])
 
 
-def _xla_workspace(f, in_avals, ct_avals, wrt, forward_alone: bool = False) -> tuple[int, int]:
-    """(forward, backward) XLA temp bytes of a stage. The backward's is the stage's
-    forward+backward compiled together, where XLA's fusion decides what is really kept.
-    It also bounds the stage's forward alone (the forward is part of it), and by default
-    is used for both: one compile per distinct stage. With `forward_alone` (a whole
-    block checkpointed as one, whose forward runs apart from its backward and sets the
-    peak where the following blocks keep much) the forward is compiled alone too. A
-    stage with nothing to differentiate has no backward: its forward alone is compiled."""
+def _xla_workspace(f, in_avals, ct_avals, wrt, forward_alone: bool = False,
+                   activation_inputs: frozenset[int] = frozenset()
+                   ) -> tuple[int, int, int | None]:
+    """(forward, backward) XLA temp bytes of a stage, and the bytes XLA keeps from its
+    forward for its backward (hlo.kept_bytes; None without a backward). The backward's
+    temp is the stage's forward+backward compiled together, where XLA's fusion decides
+    what is really kept. It also bounds the stage's forward alone (the forward is part
+    of it), and by default is used for both: one compile per distinct stage. With
+    `forward_alone` (a whole block checkpointed as one, whose forward runs apart from its
+    backward and sets the peak where the following blocks keep much) the forward is
+    compiled alone too. A stage with nothing to differentiate has no backward: its
+    forward alone is compiled. `activation_inputs`: positions in `in_avals` of the
+    activations (the rest are weights, batch and constants, live anyway)."""
     def forward_temp() -> int:
         fwd = jax.jit(f).lower(*in_avals).compile(measure_compiler_options())
         return int(fwd.memory_analysis().temp_size_in_bytes)
 
     if not wrt:
         temp = forward_temp()
-        return temp, temp
-    both = jax.jit(lambda a, ct: vjp_wrt(f, a, wrt)[1](ct))
-    wb = both.lower(in_avals, ct_avals).compile(measure_compiler_options())
-    wb = int(wb.memory_analysis().temp_size_in_bytes)
-    return (min(forward_temp(), wb) if forward_alone else wb), wb
+        return temp, temp, None
+    # every argument kept, so that entry parameter k of the HLO is argument k
+    both = jax.jit(lambda a, ct: vjp_wrt(f, a, wrt)[1](ct), keep_unused=True)
+    compiled = both.lower(in_avals, ct_avals).compile(measure_compiler_options())
+    wb = int(compiled.memory_analysis().temp_size_in_bytes)
+    n_in, n_ct = len(in_avals), len(ct_avals)
+    kept = hlo.kept_bytes(compiled.as_text(), set(activation_inputs),
+                          set(range(n_in, n_in + n_ct)))
+    return (min(forward_temp(), wb) if forward_alone else wb), wb, kept
 
 
 def scale_chain(chain: ChainModel, f: float) -> ChainModel:
@@ -798,6 +852,21 @@ def with_gathered_weights(chain: ChainModel, program: Program, cost: CostGraph,
 # ---------------------------------------------------------------------------------------
 # The model of a plan
 # ---------------------------------------------------------------------------------------
+
+def forward_need(chain: ChainModel, fwd_peak: int, stop: int, top: bool) -> int:
+    """What a segment's forward peak `fwd_peak` (leaf_fwd_peak, region_fwd_peak) adds to
+    what is live: in the step's own forward (`top`) no gradient exists yet; in a
+    recomputation during the backward, the gradients of the stages from the segment's
+    end on do (ChainModel.gradients_at, an upper bound: those of its region's later
+    stages do not yet)."""
+    return fwd_peak if top else fwd_peak + chain.gradients_at(stop)
+
+
+def backward_need(chain: ChainModel, bwd_peak: int, start: int) -> int:
+    """What a leaf's backward peak (leaf_bwd_peak) over stages from `start` adds to what is
+    live: the gradients computed by then with it (ChainModel.gradients_at)."""
+    return bwd_peak + chain.gradients_at(start)
+
 
 def leaf_fwd_peak(chain: ChainModel, i: int, option: KeepOption, stop: int | None = None) -> int:
     """Forward of the leaf over stages [i, stop) (one stage by default) run with `option`."""
@@ -912,10 +981,11 @@ def run_chain(chain, segments, live: int, inside_region: bool, events=None,
     for idx, seg in enumerate(segments):
         kept_before.append(live)
         if seg.children:
-            step = live + region_fwd_peak(chain, seg.start, seg.stop)
+            fwd = region_fwd_peak(chain, seg.start, seg.stop)
         else:
             opt = chain.leaf_profile(seg.start, seg.stop).option(seg.option)
-            step = live + leaf_fwd_peak(chain, seg.start, opt, seg.stop)
+            fwd = leaf_fwd_peak(chain, seg.start, opt, seg.stop)
+        step = live + forward_need(chain, fwd, seg.stop, top=not inside_region)
         peak = max(peak, step)
         if events is not None:
             events.append(TimelinePoint(fwd_phase, seg.start, seg.stop, step, live))
@@ -933,7 +1003,8 @@ def run_chain(chain, segments, live: int, inside_region: bool, events=None,
             cost += sub_cost
         else:
             opt = chain.leaf_profile(seg.start, seg.stop).option(seg.option)
-            step = before + leaf_bwd_peak(chain, seg.start, opt, seg.stop)
+            step = before + backward_need(chain, leaf_bwd_peak(chain, seg.start, opt, seg.stop),
+                                          seg.start)
             peak = max(peak, step)
             if events is not None:
                 events.append(TimelinePoint("backward", seg.start, seg.stop, step, before))

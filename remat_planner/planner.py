@@ -27,6 +27,7 @@ from .graph import CostGraph, build_cost_graph
 from .graph import jaxpr_bytes, jaxpr_flops
 from .memory import (ChainModel, FixedMemory, StageProfile, fixed_memory, per_parameter_update,
                      profile_stages, scale_chain, simulate, stage_gradient_bytes,
+                     with_gradient_timeline,
                      weighted_chain, with_gathered_weights, with_stage_gradients)
 from .sharding import (ShardingSpec, batch_share, check_devices, collective_outputs,
                        gathered_bytes, rebuilds_scan, with_unpaired, with_unpaired_kernels)
@@ -116,7 +117,7 @@ class Analysis:
         return self.predicted_peak(self.noremat_activation_bytes)
 
     def predicted_peak(self, activation_bytes: int) -> int:
-        return (self.fixed.total + max(activation_bytes, self.fixed.update_temp_bytes)
+        return (self.fixed.total + max(activation_bytes, self.fixed.update_bytes)
                 + self.calibration_bytes)
 
     def min_feasible_budget(self) -> int:
@@ -180,11 +181,23 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
             chain = scale_chain(chain, batch_share(spec))
             chain = with_gathered_weights(chain, program, cost,
                                           gathered_bytes(program, params, spec))
-    if optimizer is not None and spec is None and per_parameter_update(optimizer, params):
-        # Each stage's own gradients live through its backward only (docs/jax-facts.md, fact 3).
-        staged = stage_gradient_bytes(program, cost)
-        chain = with_stage_gradients(chain, staged)
-        fixed = dataclasses.replace(fixed, staged_grads_bytes=sum(staged))
+    if optimizer is not None and spec is None:
+        # Gradients along the step (docs/jax-facts.md, fact 3): none exists in the forward.
+        # Under a per-parameter update each stage's own gradients live through its
+        # backward only, the rest through the whole backward; an update that reads every
+        # gradient (clip_by_global_norm) holds each from its stage's backward to the end.
+        # (With jax.grad alone the gradients are the step's outputs, which XLA allocates
+        # for the whole step: they stay in fixed memory.)
+        own = stage_gradient_bytes(program, cost)
+        held = None
+        if per_parameter_update(optimizer, params):
+            chain = with_stage_gradients(chain, own)
+            fixed = dataclasses.replace(fixed, staged_grads_bytes=sum(own))
+        else:
+            held = own
+        fixed = dataclasses.replace(fixed, timed_grads_bytes=fixed.grads_bytes
+                                    - fixed.staged_grads_bytes)
+        chain = with_gradient_timeline(chain, fixed.timed_grads_bytes, held)
         if scanned is not None:
             scanned = dataclasses.replace(scanned, chain=chain)
     store_all = [Segment(i, i + 1, STORE) for i in range(chain.n)]
@@ -271,7 +284,7 @@ def _calibrate_scan(an: Analysis, scanned: "scan.ScanChain", params, batch, say)
     def total(stack, segments, sc=None) -> int:
         sc = scanned if sc is None else sc
         act, _ = simulate(sc.with_stack(stack, frontier=False).chain, segments)
-        return an.fixed.total + max(act, an.fixed.update_temp_bytes)
+        return an.fixed.total + max(act, an.fixed.update_bytes)
 
     # Another stage's backward, the LM head's with its stored logits, may set the
     # checkpointed step's peak: fit what the other stages keep to it first (gpt2-small:
@@ -290,7 +303,7 @@ def _calibrate_scan(an: Analysis, scanned: "scan.ScanChain", params, batch, say)
     fitted = scanned.with_stack(scan.rescaled(scanned.stack, alpha, beta))
     chain = fitted.chain
     act, _ = simulate(chain, store_all)
-    offset = noremat.peak_bytes - (an.fixed.total + max(act, an.fixed.update_temp_bytes))
+    offset = noremat.peak_bytes - (an.fixed.total + max(act, an.fixed.update_bytes))
     return dataclasses.replace(an, chain=chain, scan_chain=fitted, noremat=noremat,
                                step_flops=noremat.flops or an.step_flops,
                                noremat_activation_bytes=act, calibration_bytes=offset,
@@ -362,7 +375,7 @@ def _calibrate(an: Analysis, params, batch, say) -> Analysis:
 
     def total(chain, segments):
         act, _ = simulate(chain, segments)
-        return an.fixed.total + max(act, an.fixed.update_temp_bytes)
+        return an.fixed.total + max(act, an.fixed.update_bytes)
 
     alpha = beta = 1.0
     for _ in range(4):
@@ -432,7 +445,7 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
 
     def solve_for(target: int):
         act_budget = target - overhead
-        if act_budget < an.fixed.update_temp_bytes:
+        if act_budget < an.fixed.update_bytes:
             return None
         return solver.solve(act_budget)
 

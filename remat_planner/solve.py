@@ -17,8 +17,8 @@ from typing import Iterator
 import numpy as np
 
 from .constants import SOLVER_RESOLUTION
-from .memory import (ChainModel, last_child_forward_flops, leaf_bwd_peak, leaf_fwd_peak,
-                     region_fwd_peak, simulate)
+from .memory import (ChainModel, backward_need, forward_need, last_child_forward_flops,
+                     leaf_bwd_peak, leaf_fwd_peak, region_fwd_peak, simulate)
 from .plan import NOTHING, STORE, Segment, Store
 
 INF = math.inf
@@ -51,15 +51,22 @@ class ChainSolver:
         u = self._units
         n = self.n
         self.x = [u(b) for b in chain.boundary]
+        # whether the forward's and the recomputations' needs differ (memory.forward_need)
+        self.timed_gradients = any(chain.grads_live)
         # per stage a: (stop, option, keep, need, cost) of the leaves starting at a: the
-        # stage's own options, then those of the spans (whole block copies) from a
-        self.leaf = []
+        # stage's own options, then those of the spans (whole block copies) from a. The
+        # need is the leaf's peak above what is live before it: its forward's and its
+        # backward's, less the gradients not computed yet at each (memory.forward_need,
+        # backward_need); `top`: run in the step's own forward, else recomputed.
+        self.leaf: dict[bool, list] = {True: [], False: []}
         for i in range(n):
             profiles = [(i + 1, chain.stages[i]), *chain.spans_from(i)]
-            self.leaf.append([(c, o, u(o.keep_bytes),
-                               max(u(leaf_fwd_peak(chain, i, o, c)),
-                                   u(leaf_bwd_peak(chain, i, o, c))),
-                               o.recompute_flops) for c, p in profiles for o in p.options])
+            for top in (True, False):
+                self.leaf[top].append([
+                    (c, o, u(o.keep_bytes),
+                     max(0, u(forward_need(chain, leaf_fwd_peak(chain, i, o, c), c, top)),
+                         u(backward_need(chain, leaf_bwd_peak(chain, i, o, c), i))),
+                     o.recompute_flops) for c, p in profiles for o in p.options])
         self.flops_prefix = np.concatenate([[0.0], np.cumsum([s.flops for s in chain.stages])])
         # Tables over [a, b): per budget m (units), the least recompute FLOPs, INF where
         # nothing fits. What differs is what is live when the list starts, and what its
@@ -70,12 +77,14 @@ class ChainSolver:
         #   B: the body of the region over [a, b) (b - a >= 2): like Q, but not that
         #      region itself, and the first child does not keep the region's input,
         #      live already, a second time (memory.segment_keep with its region).
-        #   R: the region over [a, b) as a segment that is not a first child.
+        #   R: the region over [a, b) as a segment that is not a first child, keyed by
+        #      whether its forward is the step's own (top) or recomputed.
         self.P: dict[tuple[int, int], np.ndarray] = {}
         self.Q: dict[tuple[int, int], np.ndarray] = {}
         self.B: dict[tuple[int, int], np.ndarray] = {}
-        self.R: dict[tuple[int, int], np.ndarray] = {}
-        self.fwd_need: dict[tuple[int, int], int] = {}  # units of region_fwd_peak
+        self.R: dict[bool, dict[tuple[int, int], np.ndarray]] = {True: {}, False: {}}
+        # units a region's forward needs (region_fwd_peak, memory.forward_need), by top
+        self.fwd_need: dict[tuple[int, int, bool], int] = {}
         for length in range(1, n + 1):
             for a in range(0, n - length + 1):
                 self._fill(a, a + length)
@@ -110,14 +119,16 @@ class ChainSolver:
             out[need:] = 0.0
         return out
 
-    def _region(self, a: int, c: int, keep: int) -> np.ndarray:
-        """The region over [a, c) as a segment: its forward's peak, then its body run on
-        top of the `keep` units its input adds to what is live (less than its input as a
-        first child, memory.run_chain)."""
-        if (a, c) not in self.fwd_need:
-            self.fwd_need[(a, c)] = self._units(region_fwd_peak(self.chain, a, c))
+    def _region(self, a: int, c: int, keep: int, top: bool) -> np.ndarray:
+        """The region over [a, c) as a segment: its forward's peak (`top`: in the step's
+        own forward, else recomputed), then its body run on top of the `keep` units its
+        input adds to what is live (less than its input as a first child,
+        memory.run_chain)."""
+        if (a, c, top) not in self.fwd_need:
+            self.fwd_need[(a, c, top)] = max(0, self._units(forward_need(
+                self.chain, region_fwd_peak(self.chain, a, c), c, top)))
         out = self._shift(self.B[(a, c)], keep).copy()
-        out[:self.fwd_need[(a, c)]] = INF  # the budgets its forward does not fit
+        out[:self.fwd_need[(a, c, top)]] = INF  # the budgets its forward does not fit
         return out
 
     def _first_segments(self, a: int, b: int, mode: str):
@@ -125,8 +136,8 @@ class ChainSolver:
         "rest": Q, "body": B): (segment spec, stop, keep, base), keep being the units the
         segment adds to what is live for the segments after it, base its need mask + cost
         array (a region's including its body's). Order fixes tie-breaking."""
-        chain, body = self.chain, mode == "body"
-        for c, opt, keep, need, cost in self.leaf[a]:
+        chain, body, top = self.chain, mode == "body", mode == "top"
+        for c, opt, keep, need, cost in self.leaf[top][a]:
             if c > b or (body and c == b and c > a + 1):
                 continue  # past the list, or a span as its region's only child
             if body:  # the region's first child: what it keeps of the region's input is live
@@ -140,9 +151,9 @@ class ChainSolver:
                 # A nested first region: its input is (part of) its parent's, live already.
                 keep = self._units(chain.region_input_bytes(a, c)
                                    - chain.first_child_shared_bytes(a, b, c, None))
-                yield ("region", None), c, keep, self._region(a, c, keep)
-            elif (a, c) in self.R:  # absent only for [a, b) itself while it is being filled
-                yield ("region", None), c, self._region_keep(a, c), self.R[(a, c)]
+                yield ("region", None), c, keep, self._region(a, c, keep, top=False)
+            elif (a, c) in self.R[top]:  # absent only for [a, b) itself while being filled
+                yield ("region", None), c, self._region_keep(a, c), self.R[top][(a, c)]
 
     def _value(self, mode: str, kind: str, opt, a: int, b: int, c: int, keep: int,
                base: np.ndarray, m: int | None = None):
@@ -168,18 +179,24 @@ class ChainSolver:
 
     def _fill(self, a: int, b: int) -> None:
         p, q = np.full(self.units + 1, INF), np.full(self.units + 1, INF)
-        # P and Q start with the same segments, differing in what follows and its cost.
+        # P and Q start with the same segments, differing in what follows and its cost,
+        # and, where gradients are absent in the step's own forward, in their forwards' needs.
         for (kind, opt), c, keep, base in self._first_segments(a, b, "top"):
             np.minimum(p, self._value("top", kind, opt, a, b, c, keep, base), out=p)
-            np.minimum(q, self._value("rest", kind, opt, a, b, c, keep, base), out=q)
+            if not self.timed_gradients:
+                np.minimum(q, self._value("rest", kind, opt, a, b, c, keep, base), out=q)
+        if self.timed_gradients:
+            for (kind, opt), c, keep, base in self._first_segments(a, b, "rest"):
+                np.minimum(q, self._value("rest", kind, opt, a, b, c, keep, base), out=q)
         if b - a >= 2:
             body = np.full(self.units + 1, INF)
             for (kind, opt), c, keep, base in self._first_segments(a, b, "body"):
                 np.minimum(body, self._value("body", kind, opt, a, b, c, keep, base), out=body)
             self.B[(a, b)] = body
-            region = self._region(a, b, self._region_keep(a, b))
-            self.R[(a, b)] = region
-            p, q = np.minimum(p, region), np.minimum(q, region)
+            for top, arr in ((True, p), (False, q)):
+                region = self._region(a, b, self._region_keep(a, b), top)
+                self.R[top][(a, b)] = region
+                np.minimum(arr, region, out=arr)
         self.P[(a, b)], self.Q[(a, b)] = p, q
 
     # -- queries -----------------------------------------------------------------------

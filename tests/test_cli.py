@@ -66,8 +66,12 @@ def test_verified_json_report(verified_run):
     # AdamW updates each parameter from its own gradient: the gradients of parameters
     # one stage uses live only through that stage's backward (memory.stage_gradient_bytes)
     assert 0 < fixed["staged_grads_bytes"] < fixed["grads_bytes"]
+    # the others (the tied embedding's) exist from the backward on: charged along the step
+    # (memory.with_gradient_timeline), not in the total either
+    assert fixed["timed_grads_bytes"] == fixed["grads_bytes"] - fixed["staged_grads_bytes"]
     assert fixed["total_bytes"] == sum(fixed[k] for k in (
-        "params_bytes", "grads_bytes", "opt_state_bytes", "batch_bytes")) - fixed["staged_grads_bytes"]
+        "params_bytes", "grads_bytes", "opt_state_bytes", "batch_bytes")) - fixed[
+        "staged_grads_bytes"] - fixed["timed_grads_bytes"]
 
     plan = report["plan"]
     assert plan["fits"] is True

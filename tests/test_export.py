@@ -331,13 +331,14 @@ def test_the_example_plans_whole_blocks_and_its_hand_written_form_matches():
 
 def test_mixed_rules_per_block_on_an_hf_style_bert_equal_the_replay():
     """bert_encoder (tests/corpus.py: HF-style module tree, stock
-    nn.MultiHeadDotProductAttention): at 80% of the no-remat peak the whole-module plan
+    nn.MultiHeadDotProductAttention): at 75% of the no-remat peak the whole-module plan
     keeps different values in different layers (attention's probs @ values in some, every
     dot in others), each layer's policy told apart by shapes alone, and the model's own
-    nn.remat(BertLayer, policy=...) compiles to the replay's figures."""
+    nn.remat(BertLayer, policy=...) compiles to the replay's figures. (At 80%, with the
+    gradients charged where they exist, every layer keeps every dot.)"""
     m = corpus.get("bert_encoder")
     an = rp.analyze(m.loss_fn, m.params, m.batch, m.optimizer, has_aux=m.has_aux)
-    plan = module_plan(m.loss_fn, m.params, m.batch, int(0.8 * an.noremat.peak_bytes),
+    plan = module_plan(m.loss_fn, m.params, m.batch, int(0.75 * an.noremat.peak_bytes),
                        m.optimizer, analysis=an)
     exported = plan.to_flax(an, m.loss_fn, m.params, m.batch)
     assert exported.exact

@@ -120,6 +120,49 @@ def test_dp_equals_brute_force_at_every_budget(chain):
     _check_dp_against_brute_force(chain)
 
 
+@st.composite
+def timed_chains(draw) -> ChainModel:
+    """Chains with gradients left out of fixed memory and charged where they exist
+    (grads_live): none in the step's own forward, more as the backward proceeds (an update
+    holding every gradient) or all of it through the backward. The forward, the
+    recomputations and the backward then need different amounts above what is live
+    (memory.forward_need, backward_need)."""
+    chain = draw(st.one_of(chains(max_stages=4), skip_chains(max_stages=4)))
+    held = [draw(st.integers(0, 6)) for _ in range(chain.n)]
+    timed = sum(held) + draw(st.integers(0, 4))
+    live = tuple(timed - sum(held[:k]) for k in range(chain.n + 1))
+    return dataclasses.replace(chain, grads_live=live)
+
+
+@settings(max_examples=80, deadline=None)
+@given(timed_chains())
+def test_dp_equals_brute_force_with_gradients_along_the_step(chain):
+    _check_dp_against_brute_force(chain)
+
+
+def test_gradients_are_charged_from_the_backward_on():
+    """Timed gradients add nothing to the step's own forward, and in the backward those
+    computed by then (ChainModel.grads_live)."""
+    stage = StageProfile("s", 1.0, (KeepOption(STORE, (), 10, 0.0),
+                                    KeepOption(NOTHING, (), 1, 1.0)), 20, 5)
+    chain = ChainModel((stage, stage), (0, 1, 0))
+    plan = (Segment(0, 1, STORE), Segment(1, 2, STORE))
+    points = lambda c: {(p.phase, p.start): p.live_bytes for p in timeline(c, plan)}  # noqa: E731
+    plain = points(chain)
+    assert plain[("forward", 1)] == 10 + 1 + 10 + 20  # kept, boundary, its keep, workspace
+    assert plain[("backward", 1)] == 10 + 2 * 1 + 5
+    timed = points(dataclasses.replace(chain, grads_live=(8, 4, 0)))
+    assert timed[("forward", 1)] == plain[("forward", 1)]
+    assert timed[("backward", 1)] == plain[("backward", 1)] + 4
+    assert timed[("backward", 0)] == plain[("backward", 0)] + 8
+    # recomputed: a region over both stages recomputes stage 0 with stage 1's gradients
+    region = (Segment(0, 2, NOTHING, (), plan),)
+    rec = {(p.phase, p.start): p.live_bytes
+           for p in timeline(dataclasses.replace(chain, grads_live=(8, 4, 0)), region)}
+    assert rec[("recompute", 0)] == {(p.phase, p.start): p.live_bytes
+                                     for p in timeline(chain, region)}[("recompute", 0)] + 4
+
+
 @settings(max_examples=60, deadline=None)
 @given(skip_chains(max_stages=5))
 def test_dp_equals_brute_force_with_skips_and_pins(chain):
