@@ -19,7 +19,6 @@ import jax
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from . import hlo
 from .graph import (CostGraph, definitions, jaxpr_bytes, jaxpr_flops, last_uses,
                     varying_values)
 from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, KeepRule, NamesAnOption, Segment,
@@ -660,12 +659,7 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned
                                   recompute_bytes=float(rc[1])))
     wf = wb = 0
     if measure_xla and fn_outs:
-        wf, wb, xla_kept = _xla_workspace(base, in_avals, ct_avals, wrt, forward_alone,
-                                          frozenset(act_inputs))
-        if xla_kept is not None and isinstance(options[0].kind, Store):
-            # What XLA's fusion keeps of a stored stage, not JAX's residual list (hlo.py):
-            # the checkpoint options keep the named values, which XLA keeps as they are.
-            options[0] = dataclasses.replace(options[0], keep_bytes=xla_kept)
+        wf, wb = _xla_workspace(base, in_avals, ct_avals, wrt, forward_alone)
     return tuple(options), wf, wb, (start, stop)
 
 
@@ -774,34 +768,25 @@ def vjp_wrt(f, args, wrt):
     return jax.vjp(partial, *[args[i] for i in wrt])
 
 
-def _xla_workspace(f, in_avals, ct_avals, wrt, forward_alone: bool = False,
-                   activation_inputs: frozenset[int] = frozenset()
-                   ) -> tuple[int, int, int | None]:
-    """(forward, backward) XLA temp bytes of a stage, and the bytes XLA keeps from its
-    forward for its backward (hlo.kept_bytes; None without a backward). The backward's
-    temp is the stage's forward+backward compiled together, where XLA's fusion decides
-    what is really kept. It also bounds the stage's forward alone (the forward is part
-    of it), and by default is used for both: one compile per distinct stage. With
-    `forward_alone` (a whole block checkpointed as one, whose forward runs apart from its
-    backward and sets the peak where the following blocks keep much) the forward is
-    compiled alone too. A stage with nothing to differentiate has no backward: its
-    forward alone is compiled. `activation_inputs`: positions in `in_avals` of the
-    activations (the rest are weights, batch and constants, live anyway)."""
+def _xla_workspace(f, in_avals, ct_avals, wrt, forward_alone: bool = False) -> tuple[int, int]:
+    """(forward, backward) XLA temp bytes of a stage. The backward's is the stage's
+    forward+backward compiled together, where XLA's fusion decides what is really kept.
+    It also bounds the stage's forward alone (the forward is part of it), and by default
+    is used for both: one compile per distinct stage. With `forward_alone` (a whole
+    block checkpointed as one, whose forward runs apart from its backward and sets the
+    peak where the following blocks keep much) the forward is compiled alone too. A
+    stage with nothing to differentiate has no backward: its forward alone is compiled."""
     def forward_temp() -> int:
         fwd = jax.jit(f).lower(*in_avals).compile(measure_compiler_options())
         return int(fwd.memory_analysis().temp_size_in_bytes)
 
     if not wrt:
         temp = forward_temp()
-        return temp, temp, None
-    # every argument kept, so that entry parameter k of the HLO is argument k
-    both = jax.jit(lambda a, ct: vjp_wrt(f, a, wrt)[1](ct), keep_unused=True)
-    compiled = both.lower(in_avals, ct_avals).compile(measure_compiler_options())
-    wb = int(compiled.memory_analysis().temp_size_in_bytes)
-    n_in, n_ct = len(in_avals), len(ct_avals)
-    kept = hlo.kept_bytes(compiled.as_text(), set(activation_inputs),
-                          set(range(n_in, n_in + n_ct)))
-    return (min(forward_temp(), wb) if forward_alone else wb), wb, kept
+        return temp, temp
+    both = jax.jit(lambda a, ct: vjp_wrt(f, a, wrt)[1](ct))
+    wb = both.lower(in_avals, ct_avals).compile(measure_compiler_options())
+    wb = int(wb.memory_analysis().temp_size_in_bytes)
+    return (min(forward_temp(), wb) if forward_alone else wb), wb
 
 
 def scale_chain(chain: ChainModel, f: float) -> ChainModel:

@@ -19,8 +19,6 @@ Everything is compiled on abstract shapes (nothing allocated) and read from XLA'
 6. In a donated step XLA copies the parameters the backward still reads after their
    update could run, and places the copies in donated parameter buffers: they cost
    about one parameter of temp, not their sum.
-7. XLA keeps other buffers for the backward than JAX's residuals (hlo.kept_bytes);
-   measured by the tests (tests/test_memory.py, tests/test_hlo.py), not here.
 """
 
 from __future__ import annotations
