@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 from typing import Callable, ClassVar, Sequence
 
 import jax
@@ -209,11 +210,10 @@ def with_gradient_timeline(chain: "ChainModel", timed: int,
     its start. Measured (docs/jax-facts.md, fact 3): with clip_by_global_norm before
     AdamW, XLA's temp holds every gradient at the end of the backward; no gradient is
     live in the forward."""
-    n = chain.n
     if held is None:
-        live = (int(timed),) * (n + 1)
+        live = (int(timed),) * (chain.n + 1)
     else:
-        live = tuple(int(timed - sum(held[:k])) for k in range(n + 1))
+        live = tuple(int(timed - done) for done in itertools.accumulate(held, initial=0))
     return dataclasses.replace(chain, grads_live=live)
 
 

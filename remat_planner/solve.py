@@ -56,17 +56,20 @@ class ChainSolver:
         # per stage a: (stop, option, keep, need, cost) of the leaves starting at a: the
         # stage's own options, then those of the spans (whole block copies) from a. The
         # need is the leaf's peak above what is live before it: its forward's and its
-        # backward's, less the gradients not computed yet at each (memory.forward_need,
-        # backward_need); `top`: run in the step's own forward, else recomputed.
-        self.leaf: dict[bool, list] = {True: [], False: []}
-        for i in range(n):
+        # backward's, each with the gradients live by then (memory.forward_need,
+        # backward_need); keyed by `top`: run in the step's own forward, else recomputed
+        # (the same tables where no gradient is timed).
+        def leaves(i: int, top: bool) -> list:
             profiles = [(i + 1, chain.stages[i]), *chain.spans_from(i)]
-            for top in (True, False):
-                self.leaf[top].append([
-                    (c, o, u(o.keep_bytes),
-                     max(0, u(forward_need(chain, leaf_fwd_peak(chain, i, o, c), c, top)),
+            return [(c, o, u(o.keep_bytes),
+                     max(u(forward_need(chain, leaf_fwd_peak(chain, i, o, c), c, top)),
                          u(backward_need(chain, leaf_bwd_peak(chain, i, o, c), i))),
-                     o.recompute_flops) for c, p in profiles for o in p.options])
+                     o.recompute_flops) for c, p in profiles for o in p.options]
+
+        top_leaves = [leaves(i, True) for i in range(n)]
+        self.leaf: dict[bool, list] = {
+            True: top_leaves,
+            False: [leaves(i, False) for i in range(n)] if self.timed_gradients else top_leaves}
         self.flops_prefix = np.concatenate([[0.0], np.cumsum([s.flops for s in chain.stages])])
         # Tables over [a, b): per budget m (units), the least recompute FLOPs, INF where
         # nothing fits. What differs is what is live when the list starts, and what its
@@ -125,8 +128,8 @@ class ChainSolver:
         input adds to what is live (less than its input as a first child,
         memory.run_chain)."""
         if (a, c, top) not in self.fwd_need:
-            self.fwd_need[(a, c, top)] = max(0, self._units(forward_need(
-                self.chain, region_fwd_peak(self.chain, a, c), c, top)))
+            self.fwd_need[(a, c, top)] = self._units(forward_need(
+                self.chain, region_fwd_peak(self.chain, a, c), c, top))
         out = self._shift(self.B[(a, c)], keep).copy()
         out[:self.fwd_need[(a, c, top)]] = INF  # the budgets its forward does not fit
         return out

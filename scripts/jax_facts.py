@@ -24,12 +24,16 @@ Everything is compiled on abstract shapes (nothing allocated) and read from XLA'
 from __future__ import annotations
 
 import re
+import sys
 import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import optax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from xla_peak_breakdown import allocation_kinds  # noqa: E402  (the one reader of the dump)
 
 MIB = 2 ** 20
 REMAT_OPTION = {"xla_disable_hlo_passes": "cse_barrier_expander"}
@@ -218,22 +222,6 @@ def fact_prevent_cse_in_scan() -> list[str]:
             "|---|---|---|---|", *rows]
 
 
-def _allocation_kinds(dump: str) -> dict[str, str]:
-    """buffer name -> "temp" or "args" from XLA's buffer-assignment dump."""
-    (report,) = Path(dump).glob("*after_optimizations-buffer-assignment.txt")
-    kind, out = None, {}
-    for line in report.read_text().splitlines():
-        head = re.match(r"allocation \d+: size \d+, (.*)", line)
-        if head:
-            kind = ("temp" if "preallocated-temp" in head.group(1)
-                    else "args" if "parameter" in head.group(1) else "other")
-            continue
-        value = re.match(r"\s*value: <\d+ (\S+) @\d+>", line)
-        if value and kind is not None:
-            out[value.group(1)] = kind
-    return out
-
-
 def fact_parameter_copies() -> list[str]:
     """The donated AdamW step of fact 3's MLP (and of the residual layers of fact 1): the
     `copy` instructions of entry parameters in the optimized HLO, and where XLA's buffer
@@ -259,7 +247,7 @@ def fact_parameter_copies() -> list[str]:
             with tempfile.TemporaryDirectory() as tmp:
                 c = _compile(step, ws, state, x, options={**REMAT_OPTION, "xla_dump_to": tmp},
                              donate=(0, 1))
-                where = _allocation_kinds(tmp)
+                where = allocation_kinds(Path(tmp))
             text = c.as_text()
             entry = text[text.index("\nENTRY"):]
             params = {name for name, k in re.findall(r"%(\S+) = \S+ parameter\((\d+)\)", entry)
