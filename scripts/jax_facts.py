@@ -19,10 +19,14 @@ Everything is compiled on abstract shapes (nothing allocated) and read from XLA'
 6. In a donated step XLA copies the parameters the backward still reads after their
    update could run, and places the copies in donated parameter buffers: they cost
    about one parameter of temp, not their sum.
+8. XLA's CPU scheduler generates every layer's dropout random bits at the start of the
+   forward, so each layer's bits are live from there until the layer runs, even where the
+   layer is checkpointed (no memory-model term yet: docs/jax-facts.md).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import tempfile
@@ -262,6 +266,54 @@ def fact_parameter_copies() -> list[str]:
             "| copies in donated parameter buffers | temp MiB |", "|---|---|---|---|---|", *rows]
 
 
+def fact_dropout_bits_early() -> list[str]:
+    """n layers of `tanh(h @ W)` with dropout (jax.random.bernoulli on a key folded per
+    layer) or without, each layer checkpointed (nothing_saveable) or not; jax.grad of
+    the sum of squares. Also where the optimized HLO's schedule puts the forward's
+    random-bit loops (the CPU lowering of threefry is a `while`): before the second
+    layer's matmul means generated ahead."""
+    rows, d = 512, 512
+
+    def layer(w, h, key, drop):
+        h = jnp.tanh(h @ w)
+        return jnp.where(jax.random.bernoulli(key, 0.9, h.shape), h / 0.9, 0.0) if drop else h
+
+    out = []
+    for n in (2, 4, 8):
+        temps, early, loops = {}, 0, 0
+        for drop in (False, True):
+            for ckpt in (False, True):
+                def loss(ws, x, key, drop=drop, ckpt=ckpt):
+                    h = x
+                    for i, w in enumerate(ws):
+                        f = functools.partial(layer, drop=drop)
+                        if ckpt:
+                            f = jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)
+                        h = f(w, h, jax.random.fold_in(key, i))
+                    return jnp.sum(h ** 2)
+
+                ws = [jax.ShapeDtypeStruct((d, d), jnp.float32)] * n
+                x = jax.ShapeDtypeStruct((rows, d), jnp.float32)
+                key = jax.eval_shape(lambda: jax.random.key(0))
+                c = _compile(jax.grad(loss), ws, x, key, options=REMAT_OPTION)
+                temps[drop, ckpt] = c.memory_analysis().temp_size_in_bytes / MIB
+                if drop and ckpt:
+                    text = c.as_text()
+                    entry = [line for line in text[text.index("\nENTRY"):].splitlines()
+                             if " = " in line and "rematted" not in line]
+                    bits = [i for i, line in enumerate(entry)
+                            if " while(" in line and "_uniform" in line]
+                    dots = [i for i, line in enumerate(entry)
+                            if "dot_general" in line and "transpose" not in line]
+                    early, loops = sum(i < dots[1] for i in bits), len(bits)
+        out.append(f"| {n} | {temps[False, False]:.2f} | {temps[True, False]:.2f} | "
+                   f"{temps[False, True]:.2f} | {temps[True, True]:.2f} | {early} of {loops} |")
+    return [f"| layers of {rows} x {d} (1 MiB of activations each) | temp MiB, no dropout, "
+            "no remat | dropout, no remat | no dropout, each layer checkpointed | dropout, "
+            "each layer checkpointed | forward random-bit loops before the second layer's "
+            "matmul |", "|---|---|---|---|---|---|", *out]
+
+
 def main() -> None:
     print(f"jax {jax.__version__}, backend {jax.default_backend()}\n")
     for title, fact in (("1. The CPU compiler option", fact_cpu_option),
@@ -273,7 +325,9 @@ def main() -> None:
                         ("5. prevent_cse inside a scan changes XLA's buffer assignment",
                          fact_prevent_cse_in_scan),
                         ("6. Parameter copies live in donated parameter buffers",
-                         fact_parameter_copies)):
+                         fact_parameter_copies),
+                        ("8. Dropout's random bits are generated ahead in the forward",
+                         fact_dropout_bits_early)):
         print(f"## {title}\n")
         print("\n".join(fact()) + "\n", flush=True)
 
