@@ -217,6 +217,36 @@ def with_gradient_timeline(chain: "ChainModel", timed: int,
     return dataclasses.replace(chain, grads_live=live)
 
 
+def random_bits_bytes(program: Program, eqn) -> int:
+    """Bytes XLA holds for the random bits one equation generates (0 for any other): JAX's
+    threefry makes `random_bits` from a pair of uint32 arrays of the output's shape and
+    combines them where the bits are used (with jax_threefry_partitionable, the default;
+    without, each array covers half the output), so both halves are live until then
+    (docs/jax-facts.md, fact 8). A raw `threefry2x32` holds its outputs. Other generators
+    (an `rbg` key's) are not charged: they are not measured."""
+    if eqn.name == "threefry2x32":
+        return sum(program.nbytes(v) for v in eqn.outvars)
+    if eqn.name != "random_bits" or "fry" not in str(program.avals[eqn.invars[0]].dtype):
+        return 0
+    pair = 2 if getattr(eqn.ctx, "threefry_partitionable", True) else 1
+    return pair * 4 * int(np.prod(eqn.params["shape"], dtype=np.int64))
+
+
+def with_random_bits(chain: "ChainModel", program: Program, cost: CostGraph) -> "ChainModel":
+    """The chain with the random bits that later stages generate live in the step's own
+    forward (ChainModel.random_pending). They depend on RNG keys alone, and XLA's CPU
+    scheduler generates every stage's bits at the start of the forward, each held until
+    its stage consumes it (docs/jax-facts.md, fact 8). A stage's own bits are in its
+    measured workspace. A recomputation's bits, generated when it starts, are not
+    charged."""
+    per_stage = [sum(random_bits_bytes(program, e) for e in program.eqns[st.start:st.stop])
+                 for st in cost.stages]
+    if not any(per_stage):
+        return chain
+    pending = itertools.accumulate(reversed([*per_stage, 0]))
+    return dataclasses.replace(chain, random_pending=tuple(reversed(list(pending))))
+
+
 def with_stage_gradients(chain: "ChainModel", grads: Sequence[int]) -> "ChainModel":
     """The chain with each stage's own gradients (stage_gradient_bytes) live in its backward."""
     stages = tuple(dataclasses.replace(s, grad_bytes=int(g)) for s, g in zip(chain.stages, grads))
@@ -297,6 +327,10 @@ class ChainModel:
     # ending at cut k (with_gradient_timeline). None exists in the step's own forward.
     # Empty: none are left out.
     grads_live: tuple[int, ...] = ()
+    # random_pending[k]: bytes of the random bits (dropout masks' source) that stages k
+    # and later generate, which XLA generates at the start of the step's own forward and
+    # holds until their stage runs (with_random_bits). Empty: none.
+    random_pending: tuple[int, ...] = ()
 
     @property
     def n(self) -> int:
@@ -328,6 +362,11 @@ class ChainModel:
         """Bytes of the timed gradients that exist while stage k's backward runs, or a
         recomputation ending at cut k: grads_live[k]."""
         return self.grads_live[k] if self.grads_live else 0
+
+    def random_bits_pending(self, k: int) -> int:
+        """Bytes of the random bits generated ahead for stages k and later, live in the
+        step's own forward before stage k runs: random_pending[k]."""
+        return self.random_pending[k] if self.random_pending else 0
 
     def region_input_bytes(self, a: int, b: int) -> int:
         """Bytes a checkpointed region over stages [a, b) keeps: the activations crossing
@@ -840,11 +879,14 @@ def with_gathered_weights(chain: ChainModel, program: Program, cost: CostGraph,
 
 def forward_need(chain: ChainModel, fwd_peak: int, stop: int, top: bool) -> int:
     """What a segment's forward peak `fwd_peak` (leaf_fwd_peak, region_fwd_peak) adds to
-    what is live: in the step's own forward (`top`) no gradient exists yet; in a
-    recomputation during the backward, the gradients of the stages from the segment's
-    end on do (ChainModel.gradients_at, an upper bound: those of its region's later
-    stages do not yet)."""
-    return fwd_peak if top else fwd_peak + chain.gradients_at(stop)
+    what is live: in the step's own forward (`top`) no gradient exists yet, but the
+    random bits of the stages from the segment's end on, generated ahead, do
+    (ChainModel.random_bits_pending); in a recomputation during the backward, the
+    gradients of the stages from the segment's end on do (ChainModel.gradients_at, an
+    upper bound: those of its region's later stages do not yet)."""
+    if top:
+        return fwd_peak + chain.random_bits_pending(stop)
+    return fwd_peak + chain.gradients_at(stop)
 
 
 def backward_need(chain: ChainModel, bwd_peak: int, start: int) -> int:
@@ -876,18 +918,22 @@ def leaf_bwd_peak(chain: ChainModel, i: int, option: KeepOption | None = None,
             + s.grad_bytes)
 
 
-def region_fwd_peak(chain: ChainModel, a: int, b: int) -> int:
+def region_fwd_peak(chain: ChainModel, a: int, b: int, top: bool = False) -> int:
     """Forward of a checkpointed region over stages [a, b): its input is kept, each stage
     runs without keeping residuals. While stage j runs, the values crossing cut a (the
     kept input, and skips passing over), cut j and cut j + 1 are live, each counted once
     however many of these cuts it crosses: a value crossing cuts a and j + 1 crosses cut
     j too, so the union is |a| + |j| + |j + 1| - |a & j| - |j & j + 1|. At j = a the
-    stage's input is the region's input, the same arrays (|a & a| = |a|)."""
+    stage's input is the region's input, the same arrays (|a & a| = |a|). In the step's own
+    forward (`top`) the random bits of the region's later stages, generated ahead, are
+    live too (those past the region: forward_need)."""
+    ahead = (lambda j: chain.random_bits_pending(j + 1) - chain.random_bits_pending(b)) \
+        if top else (lambda j: 0)
     return max(
         chain.boundary[a] + chain.boundary[j] + chain.boundary[j + 1]
         - chain.overlap_bytes(j, j + 1)
         - (chain.overlap_bytes(a, j) if j > a else chain.boundary[a])
-        + chain.stages[j].fwd_temp_bytes
+        + chain.stages[j].fwd_temp_bytes + ahead(j)
         for j in range(a, b))
 
 
@@ -966,7 +1012,7 @@ def run_chain(chain, segments, live: int, inside_region: bool, events=None,
     for idx, seg in enumerate(segments):
         kept_before.append(live)
         if seg.children:
-            fwd = region_fwd_peak(chain, seg.start, seg.stop)
+            fwd = region_fwd_peak(chain, seg.start, seg.stop, top=not inside_region)
         else:
             opt = chain.leaf_profile(seg.start, seg.stop).option(seg.option)
             fwd = leaf_fwd_peak(chain, seg.start, opt, seg.stop)

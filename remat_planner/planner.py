@@ -27,7 +27,7 @@ from .graph import CostGraph, build_cost_graph
 from .graph import jaxpr_bytes, jaxpr_flops
 from .memory import (ChainModel, FixedMemory, StageProfile, fixed_memory, per_parameter_update,
                      profile_stages, scale_chain, simulate, stage_gradient_bytes,
-                     with_gradient_timeline,
+                     with_gradient_timeline, with_random_bits,
                      weighted_chain, with_gathered_weights, with_stage_gradients)
 from .sharding import (ShardingSpec, batch_share, check_devices, collective_outputs,
                        gathered_bytes, rebuilds_scan, with_unpaired, with_unpaired_kernels)
@@ -198,8 +198,10 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
         fixed = dataclasses.replace(fixed, timed_grads_bytes=fixed.grads_bytes
                                     - fixed.staged_grads_bytes)
         chain = with_gradient_timeline(chain, fixed.timed_grads_bytes, held)
-        if scanned is not None:
-            scanned = dataclasses.replace(scanned, chain=chain)
+    if spec is None:  # random bits generated ahead in the forward (docs/jax-facts.md, fact 8)
+        chain = with_random_bits(chain, program, cost)
+    if scanned is not None:
+        scanned = dataclasses.replace(scanned, chain=chain)
     store_all = [Segment(i, i + 1, STORE) for i in range(chain.n)]
     noremat_peak, _ = simulate(chain, store_all)
     # forward + backward of the unplanned step: backward ~ 2x forward for dots

@@ -51,8 +51,9 @@ class ChainSolver:
         u = self._units
         n = self.n
         self.x = [u(b) for b in chain.boundary]
-        # whether the forward's and the recomputations' needs differ (memory.forward_need)
-        self.timed_gradients = any(chain.grads_live)
+        # whether the forward's and the recomputations' needs differ (memory.forward_need):
+        # gradients live in a recomputation, random bits generated ahead in the forward
+        self.top_differs = any(chain.grads_live) or any(chain.random_pending)
         # per stage a: (stop, option, keep, need, cost) of the leaves starting at a: the
         # stage's own options, then those of the spans (whole block copies) from a. The
         # need is the leaf's peak above what is live before it: its forward's and its
@@ -69,7 +70,7 @@ class ChainSolver:
         top_leaves = [leaves(i, True) for i in range(n)]
         self.leaf: dict[bool, list] = {
             True: top_leaves,
-            False: [leaves(i, False) for i in range(n)] if self.timed_gradients else top_leaves}
+            False: [leaves(i, False) for i in range(n)] if self.top_differs else top_leaves}
         self.flops_prefix = np.concatenate([[0.0], np.cumsum([s.flops for s in chain.stages])])
         # Tables over [a, b): per budget m (units), the least recompute FLOPs, INF where
         # nothing fits. What differs is what is live when the list starts, and what its
@@ -129,7 +130,7 @@ class ChainSolver:
         memory.run_chain)."""
         if (a, c, top) not in self.fwd_need:
             self.fwd_need[(a, c, top)] = self._units(forward_need(
-                self.chain, region_fwd_peak(self.chain, a, c), c, top))
+                self.chain, region_fwd_peak(self.chain, a, c, top), c, top))
         out = self._shift(self.B[(a, c)], keep).copy()
         out[:self.fwd_need[(a, c, top)]] = INF  # the budgets its forward does not fit
         return out
@@ -186,9 +187,9 @@ class ChainSolver:
         # and, where gradients are absent in the step's own forward, in their forwards' needs.
         for (kind, opt), c, keep, base in self._first_segments(a, b, "top"):
             np.minimum(p, self._value("top", kind, opt, a, b, c, keep, base), out=p)
-            if not self.timed_gradients:
+            if not self.top_differs:
                 np.minimum(q, self._value("rest", kind, opt, a, b, c, keep, base), out=q)
-        if self.timed_gradients:
+        if self.top_differs:
             for (kind, opt), c, keep, base in self._first_segments(a, b, "rest"):
                 np.minimum(q, self._value("rest", kind, opt, a, b, c, keep, base), out=q)
         if b - a >= 2:

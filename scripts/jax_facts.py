@@ -21,7 +21,7 @@ Everything is compiled on abstract shapes (nothing allocated) and read from XLA'
    about one parameter of temp, not their sum.
 8. XLA's CPU scheduler generates every layer's dropout random bits at the start of the
    forward, so each layer's bits are live from there until the layer runs, even where the
-   layer is checkpointed (no memory-model term yet: docs/jax-facts.md).
+   layer is checkpointed (memory.with_random_bits).
 """
 
 from __future__ import annotations

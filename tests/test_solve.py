@@ -126,18 +126,52 @@ def timed_chains(draw) -> ChainModel:
     (grads_live): none in the step's own forward, more as the backward proceeds (an update
     holding every gradient) or all of it through the backward. The forward, the
     recomputations and the backward then need different amounts above what is live
-    (memory.forward_need, backward_need)."""
+    (memory.forward_need, backward_need). Some also generate random bits, held in the
+    step's own forward from its start until their stage runs (random_pending).
+    """
     chain = draw(st.one_of(chains(max_stages=4), skip_chains(max_stages=4)))
     held = [draw(st.integers(0, 6)) for _ in range(chain.n)]
     timed = sum(held) + draw(st.integers(0, 4))
     live = tuple(timed - sum(held[:k]) for k in range(chain.n + 1))
-    return dataclasses.replace(chain, grads_live=live)
+    bits = [draw(st.sampled_from([0, 0, 2, 7])) for _ in range(chain.n)]
+    pending = tuple(sum(bits[k:]) for k in range(chain.n + 1))
+    return dataclasses.replace(chain, grads_live=live,
+                               random_pending=pending if any(bits) else ())
 
 
 @settings(max_examples=80, deadline=None)
 @given(timed_chains())
 def test_dp_equals_brute_force_with_gradients_along_the_step(chain):
     _check_dp_against_brute_force(chain)
+
+
+def test_random_bits_are_charged_ahead_in_the_forward_only():
+    """The random bits of the stages not yet run are live in the step's own forward (XLA
+    generates them at its start: docs/jax-facts.md, fact 8), inside a top-level region's
+    forward too, and nowhere in the backward or a recomputation."""
+    stage = StageProfile("s", 1.0, (KeepOption(STORE, (), 10, 0.0),
+                                    KeepOption(NOTHING, (), 1, 1.0)), 20, 5)
+    chain = ChainModel((stage,) * 3, (0, 1, 1, 0))
+    bits = dataclasses.replace(chain, random_pending=(12, 9, 4, 0))  # 3, 5, 4 per stage
+    stored = tuple(Segment(i, i + 1, STORE) for i in range(3))
+    points = lambda c, plan: {(p.phase, p.start): p.live_bytes  # noqa: E731
+                              for p in timeline(c, plan)}
+    plain, ahead = points(chain, stored), points(bits, stored)
+    assert {k: ahead[k] - plain[k] for k in plain} == {
+        ("forward", 0): 9, ("forward", 1): 4, ("forward", 2): 0,
+        ("backward", 2): 0, ("backward", 1): 0, ("backward", 0): 0}
+    # A region over stages 0-1 at top level. Its forward without bits: max(0 + 1 + 20 at
+    # stage 0, 1 + 1 + 20 at stage 1) = 22. With them: stage 0 runs with stage 1's bits
+    # ahead (5), stage 1 with none of the region's: max(21 + 5, 22) = 26, and stage 2's
+    # (4) past the region on top (forward_need). Its recomputation generates none ahead.
+    inner = (Segment(0, 1, STORE), Segment(1, 2, STORE))
+    region = (Segment(0, 2, NOTHING, (), inner), Segment(2, 3, STORE))
+    assert region_fwd_peak(chain, 0, 2) == region_fwd_peak(bits, 0, 2) == 22
+    assert region_fwd_peak(bits, 0, 2, top=True) == 26
+    plain, ahead = points(chain, region), points(bits, region)
+    assert ahead[("forward", 0)] - plain[("forward", 0)] == 26 + 4 - 22
+    assert ahead[("recompute", 0)] == plain[("recompute", 0)]
+    assert ahead[("recompute", 1)] == plain[("recompute", 1)]
 
 
 def test_gradients_are_charged_from_the_backward_on():
