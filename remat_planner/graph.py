@@ -678,12 +678,43 @@ def _stages_and_blocks(program: Program, graph: nx.DiGraph, max_stages: int):
     protected = sorted({c for g in groups for r in g.ranges for c in r} - {0, n})
     cuts = _limit_cuts(exact, block_cuts, protected, others, crossing, n, max_stages - 1)
     cuts = _merge_trivial(cuts, flops, n, frozenset(protected))
+    cuts = drop_split_readers(program, cuts, counted, frozenset(protected))
     bounds = [0, *cuts, n]
     stages = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         stages.append(Stage(lo, hi, stage_name(program, lo, hi), float(sum(flops[lo:hi])),
                             stage_bytes(graph, lo, hi)))
     return tuple(stages), groups
+
+
+def drop_split_readers(program: Program, cuts: list[int], counted: set[int],
+                        protected: frozenset[int] = frozenset()) -> list[int]:
+    """Drop each cut that two stages read the same activation across: one computed before
+    the stage ending at the cut, read in it and in the stage starting there (a
+    BatchNorm's input, read by its statistics and by its normalisation). Checkpointed,
+    both stages would keep that array as their input, which XLA holds once; and
+    recomputing either stage starts from it, so the cut saves nothing the merged stage
+    does not. The `protected` cuts (block boundaries) stay; values all copies of a block
+    read (masks, position ids: not in `counted`) never drop a cut."""
+    defs = definitions(program)
+    uses: dict[int, list[int]] = {}
+    for i, e in enumerate(program.eqns):
+        for v in e.invars:
+            if isinstance(v, int) and v in counted:
+                uses.setdefault(v, []).append(i)
+    n = len(program.eqns)
+    kept = list(cuts)
+    j = 0
+    while j < len(kept):
+        bounds = [0, *kept, n]
+        lo, k, hi = bounds[j], bounds[j + 1], bounds[j + 2]
+        if k not in protected and any(
+                defs[v] < lo and _first_at_or_after(us, lo) < k
+                and _first_at_or_after(us, k) < hi for v, us in uses.items()):
+            del kept[j]  # the stage before it grows: check the same position again
+        else:
+            j += 1
+    return kept
 
 
 def _activations(program: Program) -> set[int]:

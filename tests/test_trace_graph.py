@@ -376,3 +376,36 @@ def test_resnet_blocks_with_a_projection_shortcut_join_their_group():
     assert sum(len(g.variants) for g in groups) == 4
     bounds = {s.start for s in build_cost_graph(program).stages}
     assert {lo for lo, _ in ranges} <= bounds
+
+
+def test_no_cut_between_two_stages_reading_the_same_earlier_activation():
+    """graph.drop_split_readers: a cut is dropped where an activation computed before the
+    stage ending there is read in that stage and in the one after (a BatchNorm's input,
+    read by its statistics and its normalisation): both would keep it if checkpointed.
+    A cut after the activation's own stage, and a protected (block) cut, stay."""
+    from remat_planner.graph import drop_split_readers
+
+    def loss(params, x):
+        h = jnp.tanh(x @ params["w"])      # eqns 0, 1: h is computed by eqn 1
+        m = jnp.sin(h)                     # eqn 2: reads h
+        out = h * m                        # eqn 3: reads h again
+        return jnp.sum(jnp.cos(out))       # eqns 4, 5
+
+    program = trace(loss, {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)},
+                    jax.ShapeDtypeStruct((4, 8), jnp.float32))
+    assert [e.name for e in program.eqns][:4] == ["dot_general", "tanh", "sin", "mul"]
+    counted = {v for e in program.eqns for v in e.outvars}
+    assert drop_split_readers(program, [2, 3, 4], counted) == [2, 4]
+    assert drop_split_readers(program, [2, 3, 4], counted, frozenset({3})) == [2, 3, 4]
+    assert drop_split_readers(program, [2, 3, 4], set()) == [2, 3, 4]
+
+
+def test_batchnorm_statistics_and_normalisation_share_a_stage():
+    """The corpus CNN's stem BatchNorm (tests/corpus.py): its input is read by the
+    statistics and by the normalisation, so no stage boundary falls between them."""
+    import corpus
+
+    m = corpus.get("cnn_bn")
+    program = trace(m.loss_fn, m.params, *m.batch, has_aux=True)
+    names = [s.name for s in build_cost_graph(program).stages]
+    assert sum("stem_norm" in name for name in names) == 1, names
