@@ -175,6 +175,17 @@ def definitions(program: Program) -> dict[int, int]:
     return d
 
 
+def value_uses(program: Program) -> dict[int, list[int]]:
+    """value id -> the indices of the equations using it, in order (an index once per
+    operand slot); values no equation uses are absent."""
+    uses: dict[int, list[int]] = {}
+    for i, e in enumerate(program.eqns):
+        for v in e.invars:
+            if isinstance(v, int):
+                uses.setdefault(v, []).append(i)
+    return uses
+
+
 def crossing_bytes(program: Program, graph: nx.DiGraph, only=None) -> np.ndarray:
     """crossing[k]: bytes of activations (not params, batch or constants) defined before
     equation k and used at or after it, for k = 0..len(eqns). Aux outputs (returned by
@@ -697,11 +708,7 @@ def drop_split_readers(program: Program, cuts: list[int], counted: set[int],
     does not. The `protected` cuts (block boundaries) stay; values all copies of a block
     read (masks, position ids: not in `counted`) never drop a cut."""
     defs = definitions(program)
-    uses: dict[int, list[int]] = {}
-    for i, e in enumerate(program.eqns):
-        for v in e.invars:
-            if isinstance(v, int) and v in counted:
-                uses.setdefault(v, []).append(i)
+    uses = {v: us for v, us in value_uses(program).items() if v in counted}
     n = len(program.eqns)
     kept = list(cuts)
     j = 0
@@ -760,11 +767,7 @@ def _block_cuts(program: Program, graph: nx.DiGraph, groups, counted,
     crossing into the copy (the residual stream between attention and MLP)."""
     defs = definitions(program)
     last = last_uses(program)
-    uses: dict[int, list[int]] = {}
-    for i, e in enumerate(program.eqns):
-        for v in e.invars:
-            if isinstance(v, int):
-                uses.setdefault(v, []).append(i)
+    uses = value_uses(program)
     out = []
     for g in groups:
         ok = worst = None
@@ -880,12 +883,8 @@ def _passing_bytes(program: Program, graph: nx.DiGraph, cuts: list[int], only=No
     Returns two dicts keyed by cut; cuts without passing values are left out.
     """
     n = len(program.eqns)
-    uses: dict[int, list[int]] = {}
+    uses = value_uses(program)
     defs = definitions(program)
-    for i, e in enumerate(program.eqns):
-        for v in e.invars:
-            if isinstance(v, int):
-                uses.setdefault(v, []).append(i)
     skip = program.free | program.aux_outputs
     cut_arr = np.asarray(cuts, dtype=np.int64)
     passing: dict[int, int] = {}

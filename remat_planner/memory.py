@@ -21,7 +21,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from .graph import (CostGraph, definitions, jaxpr_bytes, jaxpr_flops, last_uses,
-                    varying_values)
+                    value_uses, varying_values)
 from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, KeepRule, NamesAnOption, Segment,
                    Store)
 from .policies import dot_is_narrow
@@ -578,11 +578,7 @@ def region_inputs(program: Program, cost: CostGraph, boundary, last=None, defs=N
     for k, st in enumerate(cost.stages):
         stage_of[st.start:st.stop] = k
     stage_of[-1] = n
-    first_use: dict[int, list[int]] = {}  # value -> sorted equations using it
-    for i, e in enumerate(program.eqns):
-        for v in e.invars:
-            if isinstance(v, int):
-                first_use.setdefault(v, []).append(i)
+    first_use = value_uses(program)  # value -> sorted equations using it
     skip = program.free | program.aux_outputs
     table = np.zeros((n + 1, n + 1), dtype=np.int64)
     import bisect

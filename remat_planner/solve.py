@@ -57,9 +57,10 @@ class ChainSolver:
         # per stage a: (stop, option, keep, need, cost) of the leaves starting at a: the
         # stage's own options, then those of the spans (whole block copies) from a. The
         # need is the leaf's peak above what is live before it: its forward's and its
-        # backward's, each with the gradients live by then (memory.forward_need,
-        # backward_need); keyed by `top`: run in the step's own forward, else recomputed
-        # (the same tables where no gradient is timed).
+        # backward's, each with the gradients (and, in the step's own forward, the random
+        # bits generated ahead) live by then (memory.forward_need, backward_need); keyed
+        # by `top`: run in the step's own forward, else recomputed (the same tables where
+        # neither differs: top_differs).
         def leaves(i: int, top: bool) -> list:
             profiles = [(i + 1, chain.stages[i]), *chain.spans_from(i)]
             return [(c, o, u(o.keep_bytes),
@@ -184,7 +185,8 @@ class ChainSolver:
     def _fill(self, a: int, b: int) -> None:
         p, q = np.full(self.units + 1, INF), np.full(self.units + 1, INF)
         # P and Q start with the same segments, differing in what follows and its cost,
-        # and, where gradients are absent in the step's own forward, in their forwards' needs.
+        # and, where the step's own forward holds other bytes than a recomputation
+        # (top_differs: timed gradients, random bits ahead), in their forwards' needs.
         for (kind, opt), c, keep, base in self._first_segments(a, b, "top"):
             np.minimum(p, self._value("top", kind, opt, a, b, c, keep, base), out=p)
             if not self.top_differs:
