@@ -234,7 +234,7 @@ def random_bits_bytes(program: Program, eqn) -> int:
 
 def with_random_bits(chain: "ChainModel", program: Program, cost: CostGraph) -> "ChainModel":
     """The chain with the random bits that later stages generate live in the step's own
-    forward (ChainModel.random_pending). They depend on RNG keys alone, and XLA's CPU
+    forward (ChainModel.ahead_pending). They depend on RNG keys alone, and XLA's CPU
     scheduler generates every stage's bits at the start of the forward, each held until
     its stage consumes it (docs/jax-facts.md, fact 8). A stage's own bits are in its
     measured workspace. A recomputation's bits, generated when it starts, are not
@@ -243,8 +243,68 @@ def with_random_bits(chain: "ChainModel", program: Program, cost: CostGraph) -> 
                  for st in cost.stages]
     if not any(per_stage):
         return chain
-    pending = itertools.accumulate(reversed([*per_stage, 0]))
-    return dataclasses.replace(chain, random_pending=tuple(reversed(list(pending))))
+    return dataclasses.replace(chain, ahead_pending=_with_pending(chain, per_stage))
+
+
+def _with_pending(chain: "ChainModel", per_stage: Sequence[int]) -> tuple[int, ...]:
+    """chain.ahead_pending with `per_stage` bytes more made ahead for each stage: at cut k,
+    those of stages k and later."""
+    pending = list(reversed(list(itertools.accumulate(reversed([*per_stage, 0])))))
+    old = chain.ahead_pending or (0,) * (chain.n + 1)
+    return tuple(int(a + b) for a, b in zip(old, pending))
+
+
+def pooling_index_bytes(program: Program, eqn, varying: frozenset[int]) -> int:
+    """Bytes of the index arrays XLA's CPU backend makes for the gradient of one max or min
+    pooling (0 for any other equation, and for a pooling of a value not differentiated):
+    one `s32` iota per dimension of the padded input, from which it computes the argmax
+    (docs/jax-facts.md, fact 9)."""
+    if eqn.name not in ("reduce_window_max", "reduce_window_min"):
+        return 0
+    x = eqn.invars[0]
+    if not isinstance(x, int) or x not in varying:
+        return 0
+    aval = program.avals[x]
+    dilation = eqn.params.get("base_dilation") or (1,) * aval.ndim
+    shape = [(d - 1) * b + 1 + lo + hi
+             for d, b, (lo, hi) in zip(aval.shape, dilation, eqn.params["padding"])]
+    return aval.ndim * 4 * int(np.prod(shape, dtype=np.int64))
+
+
+def with_pooling_indices(chain: "ChainModel", program: Program, cost: CostGraph) -> "ChainModel":
+    """The chain with the index arrays of its poolings' gradients (pooling_index_bytes)
+    where XLA holds them (docs/jax-facts.md, fact 9). XLA's CPU scheduler makes them at
+    the start of the step, as it makes random bits (ChainModel.ahead_pending: from the
+    step's start until the pooling's stage runs), and they stay live until the pooling's
+    argmax: in the forward for a stored stage, in the backward for one recomputed there.
+    So every option of the stage but `store` keeps them to its backward
+    (KeepOption.keep_bytes), and a checkpointed region keeps those of its stages
+    (ChainModel.inputs). The stage's own workspace holds them once
+    (StageProfile.index_bytes: leaf_fwd_peak, leaf_bwd_peak, region_fwd_peak). Spans
+    (whole blocks) the same, with their stages' sum."""
+    varying = varying_values(program)
+    per_stage = [sum(pooling_index_bytes(program, e, varying)
+                     for e in program.eqns[st.start:st.stop]) for st in cost.stages]
+    return with_index_arrays(chain, per_stage) if any(per_stage) else chain
+
+
+def with_index_arrays(chain: "ChainModel", per_stage: Sequence[int]) -> "ChainModel":
+    """The chain with `per_stage` bytes of index arrays per stage, made at the step's start
+    and held until the stage's backward unless it is stored (with_pooling_indices)."""
+    def held(profile: StageProfile, g: int) -> StageProfile:
+        return dataclasses.replace(profile, index_bytes=int(g), options=tuple(
+            o if isinstance(o.kind, Store) else dataclasses.replace(o, keep_bytes=o.keep_bytes + g)
+            for o in profile.options))
+
+    n = chain.n
+    prefix = np.concatenate([[0], np.cumsum(per_stage)])
+    inputs = tuple(tuple(int(chain.region_input_bytes(a, b) + prefix[b] - prefix[a])
+                         if 0 <= a < b <= n else 0 for b in range(n + 1))
+                   for a in range(n + 1))
+    return dataclasses.replace(
+        chain, stages=tuple(held(s, g) for s, g in zip(chain.stages, per_stage)),
+        spans=tuple((a, c, held(p, prefix[c] - prefix[a])) for a, c, p in chain.spans),
+        inputs=inputs, ahead_pending=_with_pending(chain, per_stage))
 
 
 def with_stage_gradients(chain: "ChainModel", grads: Sequence[int]) -> "ChainModel":
@@ -295,6 +355,9 @@ class StageProfile:
     # Gradients of the parameters only this stage uses: written by its backward, then
     # applied and freed (per-parameter updates; memory.stage_gradient_bytes).
     grad_bytes: int = 0
+    # Index arrays of its poolings' gradients (with_pooling_indices): in its workspaces
+    # and, under every option but `store`, in its keep too; counted once.
+    index_bytes: int = 0
 
     def option(self, name: str) -> KeepOption:
         for o in self.options:
@@ -327,10 +390,11 @@ class ChainModel:
     # ending at cut k (with_gradient_timeline). None exists in the step's own forward.
     # Empty: none are left out.
     grads_live: tuple[int, ...] = ()
-    # random_pending[k]: bytes of the random bits (dropout masks' source) that stages k
-    # and later generate, which XLA generates at the start of the step's own forward and
-    # holds until their stage runs (with_random_bits). Empty: none.
-    random_pending: tuple[int, ...] = ()
+    # ahead_pending[k]: bytes of the buffers that depend on nothing and that stages k and
+    # later use, which XLA makes at the start of the step and holds until their stage
+    # runs: random bits (dropout masks' source, with_random_bits) and the index arrays of
+    # poolings' gradients (with_pooling_indices). Empty: none.
+    ahead_pending: tuple[int, ...] = ()
 
     @property
     def n(self) -> int:
@@ -363,10 +427,10 @@ class ChainModel:
         recomputation ending at cut k: grads_live[k]."""
         return self.grads_live[k] if self.grads_live else 0
 
-    def random_bits_pending(self, k: int) -> int:
-        """Bytes of the random bits generated ahead for stages k and later, live in the
-        step's own forward before stage k runs: random_pending[k]."""
-        return self.random_pending[k] if self.random_pending else 0
+    def ahead_bytes_pending(self, k: int) -> int:
+        """Bytes made ahead for stages k and later (random bits, pooling indices), live in
+        the step's own forward before stage k runs: ahead_pending[k]."""
+        return self.ahead_pending[k] if self.ahead_pending else 0
 
     def region_input_bytes(self, a: int, b: int) -> int:
         """Bytes a checkpointed region over stages [a, b) keeps: the activations crossing
@@ -875,13 +939,13 @@ def with_gathered_weights(chain: ChainModel, program: Program, cost: CostGraph,
 
 def forward_need(chain: ChainModel, fwd_peak: int, stop: int, top: bool) -> int:
     """What a segment's forward peak `fwd_peak` (leaf_fwd_peak, region_fwd_peak) adds to
-    what is live: in the step's own forward (`top`) no gradient exists yet, but the
-    random bits of the stages from the segment's end on, generated ahead, do
-    (ChainModel.random_bits_pending); in a recomputation during the backward, the
+    what is live: in the step's own forward (`top`) no gradient exists yet, but what
+    the stages from the segment's end on use and XLA made ahead (random bits, pooling
+    indices) does (ChainModel.ahead_bytes_pending); in a recomputation during the backward, the
     gradients of the stages from the segment's end on do (ChainModel.gradients_at, an
     upper bound: those of its region's later stages do not yet)."""
     if top:
-        return fwd_peak + chain.random_bits_pending(stop)
+        return fwd_peak + chain.ahead_bytes_pending(stop)
     return fwd_peak + chain.gradients_at(stop)
 
 
@@ -891,18 +955,29 @@ def backward_need(chain: ChainModel, bwd_peak: int, start: int) -> int:
     return bwd_peak + chain.gradients_at(start)
 
 
-def leaf_fwd_peak(chain: ChainModel, i: int, option: KeepOption, stop: int | None = None) -> int:
-    """Forward of the leaf over stages [i, stop) (one stage by default) run with `option`."""
+def leaf_fwd_peak(chain: ChainModel, i: int, option: KeepOption, stop: int | None = None,
+                  top: bool = True) -> int:
+    """Forward of the leaf over stages [i, stop) (one stage by default) run with `option`;
+    `top`: in the step's own forward, else in a recomputation."""
     stop = i + 1 if stop is None else stop
     s = chain.leaf_profile(i, stop)
     temp = s.fwd_temp_bytes if option.fwd_temp_bytes is None else option.fwd_temp_bytes
     return (chain.boundary[i] + chain.boundary[stop] - chain.overlap_bytes(i, stop)
-            + option.keep_bytes + temp)
+            + option.keep_bytes + temp - _counted_again(s, option, top))
+
+
+def _counted_again(s: StageProfile, option: KeepOption, top: bool) -> int:
+    """Bytes of a leaf's pooling indices (with_pooling_indices) counted more than once in
+    its forward: its workspace holds them, and so do the keep of every option but
+    `store` and, in a recomputation, its region's kept input."""
+    return s.index_bytes * ((not isinstance(option.kind, Store)) + (not top))
 
 
 def leaf_bwd_peak(chain: ChainModel, i: int, option: KeepOption | None = None,
-                  stop: int | None = None) -> int:
-    """Backward of the leaf over stages [i, stop) (one stage by default)."""
+                  stop: int | None = None, top: bool = True) -> int:
+    """Backward of the leaf over stages [i, stop) (one stage by default); `top`: a leaf of
+    the step's own forward, else of a recomputation (whose region keeps the leaf's pooling
+    indices: its workspace does not add them again)."""
     # bwd_temp_bytes is XLA's temp for the stage's forward+backward compiled together: it
     # holds the residuals as XLA keeps them (after fusion) and the backward's workspace.
     stop = i + 1 if stop is None else stop
@@ -911,7 +986,7 @@ def leaf_bwd_peak(chain: ChainModel, i: int, option: KeepOption | None = None,
     if option is not None and option.bwd_temp_bytes is not None:
         temp = option.bwd_temp_bytes
     return (2 * chain.boundary[i] + chain.boundary[stop] - chain.overlap_bytes(i, stop) + temp
-            + s.grad_bytes)
+            + s.grad_bytes - (0 if top else s.index_bytes))
 
 
 def region_fwd_peak(chain: ChainModel, a: int, b: int, top: bool = False) -> int:
@@ -921,10 +996,19 @@ def region_fwd_peak(chain: ChainModel, a: int, b: int, top: bool = False) -> int
     however many of these cuts it crosses: a value crossing cuts a and j + 1 crosses cut
     j too, so the union is |a| + |j| + |j + 1| - |a & j| - |j & j + 1|. At j = a the
     stage's input is the region's input, the same arrays (|a & a| = |a|). In the step's own
-    forward (`top`) the random bits of the region's later stages, generated ahead, are
-    live too (those past the region: forward_need)."""
-    ahead = (lambda j: chain.random_bits_pending(j + 1) - chain.random_bits_pending(b)) \
-        if top else (lambda j: 0)
+    forward (`top`) what the region's later stages use and XLA made ahead (random bits,
+    pooling indices) is live too (what stages past the region use: forward_need), and
+    the pooling indices of the stages already run stay (the region keeps them to its
+    backward). In a recomputation the enclosing region's kept input holds every
+    stage's: stage j's workspace does not add its own again."""
+    index = [s.index_bytes for s in chain.stages]
+    if top:
+        def ahead(j: int) -> int:
+            return (chain.ahead_bytes_pending(j + 1) - chain.ahead_bytes_pending(b)
+                    + sum(index[a:j]))
+    else:
+        def ahead(j: int) -> int:
+            return -index[j]
     return max(
         chain.boundary[a] + chain.boundary[j] + chain.boundary[j + 1]
         - chain.overlap_bytes(j, j + 1)
@@ -1011,7 +1095,7 @@ def run_chain(chain, segments, live: int, inside_region: bool, events=None,
             fwd = region_fwd_peak(chain, seg.start, seg.stop, top=not inside_region)
         else:
             opt = chain.leaf_profile(seg.start, seg.stop).option(seg.option)
-            fwd = leaf_fwd_peak(chain, seg.start, opt, seg.stop)
+            fwd = leaf_fwd_peak(chain, seg.start, opt, seg.stop, top=not inside_region)
         step = live + forward_need(chain, fwd, seg.stop, top=not inside_region)
         peak = max(peak, step)
         if events is not None:
@@ -1030,8 +1114,9 @@ def run_chain(chain, segments, live: int, inside_region: bool, events=None,
             cost += sub_cost
         else:
             opt = chain.leaf_profile(seg.start, seg.stop).option(seg.option)
-            step = before + backward_need(chain, leaf_bwd_peak(chain, seg.start, opt, seg.stop),
-                                          seg.start)
+            step = before + backward_need(
+                chain, leaf_bwd_peak(chain, seg.start, opt, seg.stop, top=not inside_region),
+                seg.start)
             peak = max(peak, step)
             if events is not None:
                 events.append(TimelinePoint("backward", seg.start, seg.stop, step, before))

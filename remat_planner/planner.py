@@ -27,7 +27,7 @@ from .graph import CostGraph, build_cost_graph
 from .graph import jaxpr_bytes, jaxpr_flops
 from .memory import (ChainModel, FixedMemory, StageProfile, fixed_memory, per_parameter_update,
                      profile_stages, scale_chain, simulate, stage_gradient_bytes,
-                     with_gradient_timeline, with_random_bits,
+                     with_gradient_timeline, with_pooling_indices, with_random_bits,
                      weighted_chain, with_gathered_weights, with_stage_gradients)
 from .sharding import (ShardingSpec, batch_share, check_devices, collective_outputs,
                        gathered_bytes, rebuilds_scan, with_unpaired, with_unpaired_kernels)
@@ -71,7 +71,8 @@ class Analysis:
     pinned: frozenset = frozenset()
     # XLA measurements of plans of this step, by (segments, optimizer): planning the same
     # analysis at several budgets (a frontier sweep) meets the same plans again, and a
-    # compile is the expensive part of verifying one.
+    # compile is the expensive part of verifying one. The calibration's checkpointed
+    # step is one of them.
     verified: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -198,8 +199,11 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
         fixed = dataclasses.replace(fixed, timed_grads_bytes=fixed.grads_bytes
                                     - fixed.staged_grads_bytes)
         chain = with_gradient_timeline(chain, fixed.timed_grads_bytes, held)
-    if spec is None:  # random bits generated ahead in the forward (docs/jax-facts.md, fact 8)
+    if spec is None:
+        # made ahead at the step's start: random bits, and the index arrays of max
+        # poolings' gradients (docs/jax-facts.md, facts 8 and 9)
         chain = with_random_bits(chain, program, cost)
+        chain = with_pooling_indices(chain, program, cost)
     if scanned is not None:
         scanned = dataclasses.replace(scanned, chain=chain)
     store_all = [Segment(i, i + 1, STORE) for i in range(chain.n)]
@@ -373,7 +377,15 @@ def _calibrate(an: Analysis, params, batch, say) -> Analysis:
     ckpt_all = tuple(Segment(i, i + 1, NOTHING if i < n - 1 else STORE) for i in range(n))
     say("measuring the step with every stage but the last checkpointed (calibration)")
     ckpt_plan = plan_from_segments(an, ckpt_all, 0, 0, params, batch)
-    ckpt_measured = measure_step(an.step.planned(ckpt_plan), params, batch).peak_bytes
+    ckpt = measure_step(an.step.planned(ckpt_plan), params, batch)
+    ckpt_measured = ckpt.peak_bytes
+    # A plan XLA measured: the closed loop reuses it like its own (the flax-examples style
+    # ResNet with nn.max_pool of tests/test_closed_loop_recovery.py at 54 MB: every plan the
+    # model chose was over, this one fits).
+    try:
+        an.verified[(ckpt_all, an.step.optimizer)] = ckpt
+    except TypeError:  # an optimizer that cannot be a dict key: no reuse
+        pass
 
     def total(chain, segments):
         act, _ = simulate(chain, segments)
@@ -794,8 +806,12 @@ def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: 
     for cost, segments, act in sorted(candidates, key=lambda c: c[0]):
         measured_error = block_error()
         if measured_error is None:  # the model's error on per-block plans is not known yet
+            # An error under the loop's plans does not carry over as it is: the model's
+            # error on whole blocks can have the other sign (the corpus U-Net at
+            # dots_saveable's peak: the loop's region plans 12% under XLA, the per-block
+            # plans 7% over).
             wide_first = wide or best is None
-            e, margin = error, PER_BLOCK_FIRST_MARGIN if wide_first else PER_BLOCK_MARGIN
+            e, margin = min(error, 0), PER_BLOCK_FIRST_MARGIN if wide_first else PER_BLOCK_MARGIN
         else:
             e, margin = measured_error, PER_BLOCK_MARGIN
         if an.predicted_peak(act) + e > budget_bytes * (1 + margin):

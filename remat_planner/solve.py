@@ -52,20 +52,22 @@ class ChainSolver:
         n = self.n
         self.x = [u(b) for b in chain.boundary]
         # whether the forward's and the recomputations' needs differ (memory.forward_need):
-        # gradients live in a recomputation, random bits generated ahead in the forward
-        self.top_differs = any(chain.grads_live) or any(chain.random_pending)
+        # gradients live in a recomputation; random bits and pooling indices made
+        # ahead in the forward, which a region keeps for its recomputation
+        self.top_differs = any(chain.grads_live) or any(chain.ahead_pending)
         # per stage a: (stop, option, keep, need, cost) of the leaves starting at a: the
         # stage's own options, then those of the spans (whole block copies) from a. The
         # need is the leaf's peak above what is live before it: its forward's and its
         # backward's, each with the gradients (and, in the step's own forward, the random
-        # bits generated ahead) live by then (memory.forward_need, backward_need); keyed
-        # by `top`: run in the step's own forward, else recomputed (the same tables where
-        # neither differs: top_differs).
+        # bits and pooling indices made ahead) live by then (memory.forward_need,
+        # backward_need); keyed by `top`: run in the step's own forward, else recomputed,
+        # where its region's input holds its pooling indices
+        # (memory.leaf_fwd_peak; the same tables where neither differs: top_differs).
         def leaves(i: int, top: bool) -> list:
             profiles = [(i + 1, chain.stages[i]), *chain.spans_from(i)]
             return [(c, o, u(o.keep_bytes),
-                     max(u(forward_need(chain, leaf_fwd_peak(chain, i, o, c), c, top)),
-                         u(backward_need(chain, leaf_bwd_peak(chain, i, o, c), i))),
+                     max(u(forward_need(chain, leaf_fwd_peak(chain, i, o, c, top), c, top)),
+                         u(backward_need(chain, leaf_bwd_peak(chain, i, o, c, top), i))),
                      o.recompute_flops) for c, p in profiles for o in p.options]
 
         top_leaves = [leaves(i, True) for i in range(n)]

@@ -24,7 +24,7 @@ Everything is compiled on abstract shapes (nothing allocated) and read from XLA'
    layer is checkpointed (memory.with_random_bits).
 9. On CPU, XLA makes the index iotas of every max pooling's gradient at the start of the
    step, and holds them until the pooling's argmax (in the backward for a checkpointed
-   pooling): four times its input's bytes for an image.
+   pooling): four times its input's bytes for an image (memory.with_pooling_indices).
 """
 
 from __future__ import annotations

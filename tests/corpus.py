@@ -1090,6 +1090,87 @@ def _mlp_mixer() -> CorpusModel:
                   make_loss)
 
 
+# ---------------------------------------------------------------------------------------------
+# 10. resnet_maxpool: the layout of the Flax examples' ResNet: a 7x7 stride-2 stem, BatchNorm,
+#     `nn.max_pool` 3x3 stride 2 SAME, then blocks created in __call__ under the names
+#     auto-naming gives them (ResNetBlock_<k>); batch stats in the variables, returned as aux.
+# ---------------------------------------------------------------------------------------------
+
+
+class ResNetBlock(nn.Module):
+    filters: int
+    strides: tuple = (1, 1)
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9)
+        residual = x
+        y = nn.Conv(self.filters, (3, 3), self.strides, use_bias=False)(x)
+        y = nn.relu(norm()(y))
+        y = nn.Conv(self.filters, (3, 3), use_bias=False)(y)
+        y = norm(scale_init=nn.initializers.zeros_init())(y)
+        if residual.shape != y.shape:
+            residual = nn.Conv(self.filters, (1, 1), self.strides, use_bias=False,
+                               name="conv_proj")(residual)
+            residual = norm(name="norm_proj")(residual)
+        return nn.relu(residual + y)
+
+
+class PoolResNet(nn.Module):
+    stage_sizes: tuple = (2, 2)
+    num_filters: int = 8
+    num_classes: int = 10
+    remat_policies: tuple | None = None
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Conv(self.num_filters, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False,
+                    name="conv_init")(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9, name="bn_init")(x)
+        x = nn.relu(x)
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+        k = 0
+        for i, size in enumerate(self.stage_sizes):
+            for j in range(size):
+                policy = None if self.remat_policies is None else self.remat_policies[k]
+                # `train` (argument 2, counting self) must stay a Python bool
+                cls = ResNetBlock if policy is None else nn.remat(ResNetBlock, policy=policy,
+                                                                  static_argnums=(2,))
+                strides = (2, 2) if i > 0 and j == 0 else (1, 1)
+                # the name auto-naming gives the plain block, so remat keeps the params
+                x = cls(self.num_filters * 2 ** i, strides, name=f"ResNetBlock_{k}")(x, train)
+                k += 1
+        x = jnp.mean(x, axis=(1, 2))
+        return nn.Dense(self.num_classes)(x)
+
+
+def _resnet_maxpool() -> CorpusModel:
+    batch_size, size, stage_sizes = 8, 64, (2, 2)
+
+    def make_loss(policies):
+        model = PoolResNet(stage_sizes=stage_sizes, remat_policies=policies)
+
+        def loss_fn(params, images, labels, batch_stats):
+            logits, updates = model.apply({"params": params, "batch_stats": batch_stats}, images,
+                                          train=True, mutable=["batch_stats"])
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+            return loss, updates["batch_stats"]
+
+        return loss_fn
+
+    images = jax.ShapeDtypeStruct((batch_size, size, size, 3), jnp.float32)
+    variables = _init_shapes(
+        lambda k, x: PoolResNet(stage_sizes=stage_sizes).init(k, x, train=False), images)
+
+    def make_batch(rng):
+        images = rng.standard_normal((batch_size, size, size, 3)).astype(np.float32)
+        labels = rng.integers(0, 10, (batch_size,), dtype=np.int32)
+        return images, labels, _fill(variables["batch_stats"], rng)  # running means 0, vars 1
+
+    return _model("resnet_maxpool", make_loss(None), variables["params"], make_batch,
+                  optax.adamw(1e-3), sum(stage_sizes), make_loss, has_aux=True)
+
+
 MODELS: dict[str, Callable[[], CorpusModel]] = {
     "hf_gpt2": _hf_gpt2,
     "selfattn_gpt": _selfattn_gpt,
@@ -1100,6 +1181,7 @@ MODELS: dict[str, Callable[[], CorpusModel]] = {
     "cnn_bn": _cnn_bn,
     "unet": _unet,
     "mlp_mixer": _mlp_mixer,
+    "resnet_maxpool": _resnet_maxpool,
 }
 
 

@@ -126,3 +126,25 @@ def test_mixed_scan_iterations_predicted_within_5pct(scan_lm):
         predicted = an.predicted_peak(simulate(an.chain_for(segments), segments)[0])
         xla = _xla_peak(m, an, segments)
         assert abs(predicted / xla - 1) < 0.05, (name, predicted, xla)
+
+
+def test_the_calibration_plan_is_reused_where_the_model_leads_over():
+    """The calibration's checkpointed step is an XLA measurement like the loop's own
+    (Analysis.verified), so a budget it fits is planned. On the Flax-examples-style ResNet
+    of the corpus, whose nn.max_pool stem holds its gradient's index arrays (fact 9), every
+    plan the model led the loop to at 3.3 MB was over (XLA 3,878,848 B at the lowest,
+    above the step without remat), and without that measurement the call said the
+    smallest feasible budget was 3.88 MB; every stage but the last checkpointed measures
+    3,132,600 B."""
+    from remat_planner.plan import NOTHING, STORE, Segment
+
+    m = corpus.get("resnet_maxpool")
+    an = rp.analyze(m.loss_fn, m.params, m.batch, m.optimizer, has_aux=m.has_aux)
+    n = an.chain.n
+    ckpt = tuple(Segment(i, i + 1, NOTHING if i < n - 1 else STORE) for i in range(n))
+    measured = an.verified[(ckpt, m.optimizer)]
+    budget = 3_300_000
+    assert measured.peak_bytes <= budget < an.noremat.peak_bytes
+    plan = rp.plan(m.loss_fn, m.params, m.batch, budget, m.optimizer, analysis=an)
+    assert plan.measured_peak_bytes <= budget
+    assert plan.metadata["compiles"] <= MAX_VERIFY_COMPILES

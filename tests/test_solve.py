@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from remat_planner.graph import build_cost_graph
 from remat_planner.memory import (ChainModel, KeepOption, StageProfile, leaf_bwd_peak,
                                   leaf_fwd_peak, profile_stages, region_fwd_peak, segment_keep,
-                                  simulate, timeline)
+                                  simulate, timeline, with_index_arrays)
 from remat_planner.plan import DOTS, NOTHING, STORE, Plan, Segment, StageInfo, validate_segments
 from remat_planner.solve import ChainSolver, brute_force, enumerate_plans
 from remat_planner.trace import trace
@@ -127,7 +127,9 @@ def timed_chains(draw) -> ChainModel:
     holding every gradient) or all of it through the backward. The forward, the
     recomputations and the backward then need different amounts above what is live
     (memory.forward_need, backward_need). Some also generate random bits, held in the
-    step's own forward from its start until their stage runs (random_pending).
+    step's own forward from its start until their stage runs (ahead_pending), and some
+    hold pooling index arrays from there to their stage's backward where it is not stored
+    (memory.with_index_arrays).
     """
     chain = draw(st.one_of(chains(max_stages=4), skip_chains(max_stages=4)))
     held = [draw(st.integers(0, 6)) for _ in range(chain.n)]
@@ -135,8 +137,10 @@ def timed_chains(draw) -> ChainModel:
     live = tuple(timed - sum(held[:k]) for k in range(chain.n + 1))
     bits = [draw(st.sampled_from([0, 0, 2, 7])) for _ in range(chain.n)]
     pending = tuple(sum(bits[k:]) for k in range(chain.n + 1))
-    return dataclasses.replace(chain, grads_live=live,
-                               random_pending=pending if any(bits) else ())
+    chain = dataclasses.replace(chain, grads_live=live,
+                                ahead_pending=pending if any(bits) else ())
+    index = [draw(st.sampled_from([0, 0, 0, 3, 8])) for _ in range(chain.n)]
+    return with_index_arrays(chain, index) if any(index) else chain
 
 
 @settings(max_examples=80, deadline=None)
@@ -152,7 +156,7 @@ def test_random_bits_are_charged_ahead_in_the_forward_only():
     stage = StageProfile("s", 1.0, (KeepOption(STORE, (), 10, 0.0),
                                     KeepOption(NOTHING, (), 1, 1.0)), 20, 5)
     chain = ChainModel((stage,) * 3, (0, 1, 1, 0))
-    bits = dataclasses.replace(chain, random_pending=(12, 9, 4, 0))  # 3, 5, 4 per stage
+    bits = dataclasses.replace(chain, ahead_pending=(12, 9, 4, 0))  # 3, 5, 4 per stage
     stored = tuple(Segment(i, i + 1, STORE) for i in range(3))
     points = lambda c, plan: {(p.phase, p.start): p.live_bytes  # noqa: E731
                               for p in timeline(c, plan)}
@@ -643,3 +647,39 @@ def test_a_span_is_one_checkpoint_over_its_stages():
     # = 15; then stage 2 stored on top: 9 + 4 + 0 + 50 + 1 = 64; its backward
     # 9 + 2*4 + 0 + 1 = 18; the span's backward 0 + 4 + 3 = 7.
     assert (peak, cost) == (64, 5.0)
+
+
+def test_pooling_indices_are_held_from_the_start_to_the_backward_unless_stored():
+    """A stage's pooling index arrays (memory.with_index_arrays; docs/jax-facts.md, fact
+    9) are live from the step's start: made ahead in the forward until their stage runs;
+    past it, to the stage's backward where the stage is not stored, and to its region's
+    backward where a region checkpoints it; counted once where the stage's own workspace
+    holds them too."""
+    stage = StageProfile("s", 1.0, (KeepOption(STORE, (), 10, 0.0),
+                                    KeepOption(NOTHING, (), 1, 1.0)), 20, 5)
+    chain = ChainModel((stage,) * 3, (0, 1, 1, 0))
+    held = with_index_arrays(chain, [0, 6, 0])  # stage 1 pools: 6 bytes of indices
+    points = lambda c, plan: {(p.phase, p.start): p.live_bytes  # noqa: E731
+                              for p in timeline(c, plan)}
+
+    def more(plan):
+        plain, index = points(chain, plan), points(held, plan)
+        return {k: index[k] - plain[k] for k in plain if index[k] != plain[k]}
+
+    stored = tuple(Segment(i, i + 1, STORE) for i in range(3))
+    # stored: only ahead of stage 1, in stage 0's forward
+    assert more(stored) == {("forward", 0): 6}
+    # stage 1 checkpointed: also from its forward to its backward
+    ckpt = (Segment(0, 1, STORE), Segment(1, 2, NOTHING), Segment(2, 3, STORE))
+    assert more(ckpt) == {("forward", 0): 6, ("forward", 2): 6, ("backward", 2): 6}
+    # a region over stages 0-1: ahead of stage 1 in the region's forward (its peak moves
+    # from stage 1's 1 + 1 + 20 = 22 to stage 0's 1 + 20 + 6 = 27), kept by the region to
+    # its backward (stage 2's points), and its recomputation holds them from its start
+    # (stage 0's points; stage 1's own workspace counts them once) to its end: an upper
+    # bound in stage 0's backward, where XLA has freed them after stage 1's
+    inner = (Segment(0, 1, STORE), Segment(1, 2, STORE))
+    region = (Segment(0, 2, NOTHING, (), inner), Segment(2, 3, STORE))
+    assert region_fwd_peak(chain, 0, 2, top=True) == 22
+    assert region_fwd_peak(held, 0, 2, top=True) == 27
+    assert more(region) == {("forward", 0): 5, ("forward", 2): 6, ("backward", 2): 6,
+                            ("recompute", 0): 6, ("backward", 0): 6}
