@@ -4,8 +4,8 @@ The project's own zoo (remat_planner/models/) was written alongside the planner 
 conventions. The models here deliberately do not: they copy the styles found in the wild
 (HuggingFace-Flax module trees with blocks named "0", "1", ...; `nn.compact` with auto names;
 `nn.scan` stacks; flax.nnx; plain JAX with a dict of arrays; BatchNorm state; U-Net skips;
-MLP-Mixer), so that a planner that only works on the zoo's shapes shows up here. Nothing is
-imported from remat_planner.
+MLP-Mixer; the Flax examples' ResNet with its `nn.max_pool` stem), so that a planner that
+only works on the zoo's shapes shows up here. Nothing is imported from remat_planner.
 
 Every model is tiny (a whole AdamW step compiles in a few seconds on CPU) and float32.
 
