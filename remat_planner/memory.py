@@ -941,8 +941,8 @@ def forward_need(chain: ChainModel, fwd_peak: int, stop: int, top: bool) -> int:
     """What a segment's forward peak `fwd_peak` (leaf_fwd_peak, region_fwd_peak) adds to
     what is live: in the step's own forward (`top`) no gradient exists yet, but what
     the stages from the segment's end on use and XLA made ahead (random bits, pooling
-    indices) does (ChainModel.ahead_bytes_pending); in a recomputation during the backward, the
-    gradients of the stages from the segment's end on do (ChainModel.gradients_at, an
+    indices) does (ChainModel.ahead_bytes_pending); in a recomputation during the
+    backward, the gradients of the stages from the segment's end on do (ChainModel.gradients_at, an
     upper bound: those of its region's later stages do not yet)."""
     if top:
         return fwd_peak + chain.ahead_bytes_pending(stop)

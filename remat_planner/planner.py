@@ -379,9 +379,9 @@ def _calibrate(an: Analysis, params, batch, say) -> Analysis:
     ckpt_plan = plan_from_segments(an, ckpt_all, 0, 0, params, batch)
     ckpt = measure_step(an.step.planned(ckpt_plan), params, batch)
     ckpt_measured = ckpt.peak_bytes
-    # A plan XLA measured: the closed loop reuses it like its own (the flax-examples style
-    # ResNet with nn.max_pool of tests/test_closed_loop_recovery.py at 54 MB: every plan the
-    # model chose was over, this one fits).
+    # A plan XLA measured: the closed loop reuses it like its own (the corpus's ResNet with
+    # an nn.max_pool stem at 3.3 MB, tests/test_closed_loop.py: every plan the model led
+    # the loop to was over, this one fits).
     try:
         an.verified[(ckpt_all, an.step.optimizer)] = ckpt
     except TypeError:  # an optimizer that cannot be a dict key: no reuse
@@ -765,9 +765,9 @@ def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: 
     is one, with PER_BLOCK_MARGIN (the model's error on whole-block checkpoints differs
     from its error on other plans: the corpus U-Net's per-block plans +15% to +23%, the
     closed loop's plans within 3%); before one is measured, `error`, else the model's
-    error on `best`, and without `best` (or `wide`: the model called the budget
-    infeasible and XLA disagreed) the wider PER_BLOCK_FIRST_MARGIN. It is measured again
-    after each probe."""
+    error on `best`, where it is under XLA (an error over XLA is not carried over), and
+    without `best` (or `wide`: the model called the budget infeasible and XLA disagreed)
+    the wider PER_BLOCK_FIRST_MARGIN. It is measured again after each probe."""
     chain = costs.objective_chain
     plans = per_block_plans(an)
 
