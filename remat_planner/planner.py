@@ -806,12 +806,13 @@ def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: 
         candidates.append((cost, segments, act))
     def order(candidate):
         # Those the model puts within the budget, cheapest first; then the rest, those
-        # it puts least over first (the corpus plain-JAX transformer at
-        # dots_with_no_batch_dims_saveable's peak: per-block dots, cheapest but 8.8% over
-        # by the model, measured 8.8% over; per-block no-batch dots, 2.2% over, fit).
+        # it puts least over first, cheapest first among equals (the corpus plain-JAX
+        # transformer at dots_with_no_batch_dims_saveable's peak: per-block dots, the
+        # cheapest but 8.8% over by the model, measured 8.8% over; per-block no-batch
+        # dots, 2.2% over, fit).
         cost, _, act = candidate
         over_budget = an.predicted_peak(act) - budget_bytes
-        return (0, cost) if over_budget <= 0 else (1, over_budget)
+        return (0, 0, cost) if over_budget <= 0 else (1, over_budget, cost)
 
     for cost, segments, act in sorted(candidates, key=order):
         measured_error = block_error()
