@@ -804,6 +804,7 @@ def _probe_per_block(an: Analysis, best: Plan | None, budget_bytes: int, tried: 
                 and model_flops(segments) >= best_flops + max(0.0, over)):
             continue
         candidates.append((cost, segments, act))
+
     def order(candidate):
         # Those the model puts within the budget, cheapest first; then the rest, those
         # it puts least over first, cheapest first among equals (the corpus plain-JAX
