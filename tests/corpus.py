@@ -914,11 +914,13 @@ class SmallResNet(nn.Module):
         return self.head(jnp.mean(x, axis=(1, 2)))
 
 
-def _cnn_bn() -> CorpusModel:
-    batch_size, size, stage_sizes = 4, 32, (2, 2)
+def _batchnorm_classifier(name: str, module: type[nn.Module], batch_size: int, size: int,
+                          stage_sizes: tuple) -> CorpusModel:
+    """An image classifier whose BatchNorm statistics ride in the batch and come back as aux,
+    as a user's training loop carries them: `module(stage_sizes=..., remat_policies=...)`."""
 
     def make_loss(policies):
-        model = SmallResNet(stage_sizes=stage_sizes, remat_policies=policies)
+        model = module(stage_sizes=stage_sizes, remat_policies=policies)
 
         def loss_fn(params, images, labels, batch_stats):
             logits, updates = model.apply({"params": params, "batch_stats": batch_stats}, images,
@@ -930,15 +932,19 @@ def _cnn_bn() -> CorpusModel:
 
     images = jax.ShapeDtypeStruct((batch_size, size, size, 3), jnp.float32)
     variables = _init_shapes(
-        lambda k, x: SmallResNet(stage_sizes=stage_sizes).init(k, x, train=False), images)
+        lambda k, x: module(stage_sizes=stage_sizes).init(k, x, train=False), images)
 
     def make_batch(rng):
         images = rng.standard_normal((batch_size, size, size, 3)).astype(np.float32)
         labels = rng.integers(0, 10, (batch_size,), dtype=np.int32)
         return images, labels, _fill(variables["batch_stats"], rng)  # running means 0, vars 1
 
-    return _model("cnn_bn", make_loss(None), variables["params"], make_batch, optax.adamw(1e-3),
+    return _model(name, make_loss(None), variables["params"], make_batch, optax.adamw(1e-3),
                   sum(stage_sizes), make_loss, has_aux=True)
+
+
+def _cnn_bn() -> CorpusModel:
+    return _batchnorm_classifier("cnn_bn", SmallResNet, 4, 32, (2, 2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1145,30 +1151,7 @@ class PoolResNet(nn.Module):
 
 
 def _resnet_maxpool() -> CorpusModel:
-    batch_size, size, stage_sizes = 8, 64, (2, 2)
-
-    def make_loss(policies):
-        model = PoolResNet(stage_sizes=stage_sizes, remat_policies=policies)
-
-        def loss_fn(params, images, labels, batch_stats):
-            logits, updates = model.apply({"params": params, "batch_stats": batch_stats}, images,
-                                          train=True, mutable=["batch_stats"])
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-            return loss, updates["batch_stats"]
-
-        return loss_fn
-
-    images = jax.ShapeDtypeStruct((batch_size, size, size, 3), jnp.float32)
-    variables = _init_shapes(
-        lambda k, x: PoolResNet(stage_sizes=stage_sizes).init(k, x, train=False), images)
-
-    def make_batch(rng):
-        images = rng.standard_normal((batch_size, size, size, 3)).astype(np.float32)
-        labels = rng.integers(0, 10, (batch_size,), dtype=np.int32)
-        return images, labels, _fill(variables["batch_stats"], rng)  # running means 0, vars 1
-
-    return _model("resnet_maxpool", make_loss(None), variables["params"], make_batch,
-                  optax.adamw(1e-3), sum(stage_sizes), make_loss, has_aux=True)
+    return _batchnorm_classifier("resnet_maxpool", PoolResNet, 8, 64, (2, 2))
 
 
 MODELS: dict[str, Callable[[], CorpusModel]] = {
