@@ -1,9 +1,11 @@
 """Stage 3: the memory model - fixed bytes, per-stage costs, and the peak of a plan.
 
-Per stage the model needs what JAX's own autodiff keeps (measured by tracing `jax.vjp`
-of the stage, with and without a checkpoint policy), the FLOPs a policy recomputes, and
-the transient workspace XLA needs for the stage's forward and backward (read from XLA's
-buffer assignment of the stage alone). Identical stages (transformer blocks) are
+Per stage the model needs what each keep option keeps: for `store`, what XLA keeps for
+the stage's backward (read from its compiled HLO, hlo.py); for a checkpoint policy, what
+JAX's autodiff keeps (measured by tracing `jax.vjp` of the stage with the policy). Also
+the FLOPs a policy recomputes, and the transient workspace XLA needs for the stage's
+forward and backward (read from XLA's buffer assignment of the stage alone: its forward
+compiled alone, and its forward and backward compiled together). Identical stages (transformer blocks) are
 measured once. `simulate` then walks a plan's schedule - forward through the segments,
 backward in reverse with recomputation - and returns its activation peak and recompute
 cost. The solver optimises exactly this model; verify checks it against XLA.
@@ -20,6 +22,7 @@ import jax
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from . import hlo
 from .graph import (CostGraph, definitions, jaxpr_bytes, jaxpr_flops, last_uses,
                     value_uses, varying_values)
 from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, KeepRule, NamesAnOption, Segment,
@@ -279,9 +282,10 @@ def with_pooling_indices(chain: "ChainModel", program: Program, cost: CostGraph)
     argmax: in the forward for a stored stage, in the backward for one recomputed there.
     So every option of the stage but `store` keeps them to its backward
     (KeepOption.keep_bytes), and a checkpointed region keeps those of its stages
-    (ChainModel.inputs). The stage's own workspace holds them once
-    (StageProfile.index_bytes: leaf_fwd_peak, leaf_bwd_peak, region_fwd_peak). Spans
-    (whole blocks) the same, with their stages' sum."""
+    (ChainModel.inputs). The stage's backward workspace (its forward and backward
+    compiled together) holds them too, its forward's (compiled alone) does not: each is
+    counted once (StageProfile.index_bytes: leaf_fwd_peak, leaf_bwd_peak,
+    region_fwd_peak). Spans (whole blocks) the same, with their stages' sum."""
     varying = varying_values(program)
     per_stage = [sum(pooling_index_bytes(program, e, varying)
                      for e in program.eqns[st.start:st.stop]) for st in cost.stages]
@@ -349,14 +353,14 @@ class StageProfile:
     name: str
     flops: float
     options: tuple[KeepOption, ...]  # options[0] is `store`
-    fwd_temp_bytes: int   # XLA temp bounding the forward (= bwd_temp_bytes, see _xla_workspace)
+    fwd_temp_bytes: int   # XLA temp of the forward compiled alone (see _xla_workspace)
     bwd_temp_bytes: int   # XLA temp of forward+backward compiled together
     bytes_accessed: float = 0.0  # memory traffic of the forward (graph.eqn_bytes)
     # Gradients of the parameters only this stage uses: written by its backward, then
     # applied and freed (per-parameter updates; memory.stage_gradient_bytes).
     grad_bytes: int = 0
-    # Index arrays of its poolings' gradients (with_pooling_indices): in its workspaces
-    # and, under every option but `store`, in its keep too; counted once.
+    # Index arrays of its poolings' gradients (with_pooling_indices): in its backward's
+    # workspace and, under every option but `store`, in its keep too; counted once.
     index_bytes: int = 0
 
     def option(self, name: str) -> KeepOption:
@@ -563,15 +567,21 @@ def _structure_key(program: Program, start: int, stop: int, ins, outs) -> str:
 def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = True,
                    progress: Callable[[str], None] | None = None,
                    pinned: frozenset[int] = frozenset(),
-                   forward_alone: bool = False,
-                   profiles: dict | None = None) -> ChainModel:
+                   profiles: dict | None = None, xla_keeps: bool = True,
+                   forward_alone: bool = True) -> ChainModel:
     """Measure every stage's keep options, residual bytes and XLA workspace.
+
+    With `measure_xla` and `xla_keeps`, a stored stage keeps what XLA keeps for its
+    backward (hlo.py; docs/jax-facts.md, fact 7); else JAX's residual list. A scan
+    body's stages pass `xla_keeps=False`: the scan's forward loop writes JAX's residuals
+    out as stacked outputs, which XLA's fusion cannot drop (scan.body_chain).
+    With `forward_alone` a stage's forward workspace is its forward compiled alone, else
+    its forward and backward compiled together (a scan body's sub-stages, whose
+    iteration computes its residuals in its own temp before writing them to the stack;
+    tests/test_scan.py pins the mixed schemes within 3.5% of XLA with it).
 
     `pinned` values (outputs of collectives in a sharded step, sharding.collective_outputs)
     are kept by every checkpoint option: recomputing them would repeat communication.
-    With `forward_alone` the stages are whole blocks (a scan body as one stage,
-    scan.whole_body_chain): their forward workspace is their forward compiled alone, as
-    for the spans below.
 
     Identical stages (transformer blocks) are profiled once per call. `profiles`: a dict
     the caller keeps to reuse profiles across calls on the same program (one analysis
@@ -584,7 +594,8 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
     if profiles is None:
         cache = _Profiles({}, "")
     else:
-        cache = _Profiles(profiles, f"{program.fingerprint()}|{measure_xla}|")
+        cache = _Profiles(profiles,
+                          f"{program.fingerprint()}|{measure_xla}|{xla_keeps}|{forward_alone}|")
     stages = []
     for k, st in enumerate(cost.stages):
         ins, outs = stage_io(program, st.start, st.stop, last, defs)
@@ -592,12 +603,12 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
         # blocks before the first trainable parameter have no backward: not identical to later ones
         key = _structure_key(program, st.start, st.stop, ins, outs) + str(wrt)
         local_pins = _local_pins(program, st.start, st.stop, pinned)
-        key += str(local_pins) + ("|forward alone" if forward_alone else "")
+        key += str(local_pins)
         if key not in cache:
             if progress:
                 progress(f"profiling stage {k + 1}/{len(cost.stages)} {st.name}")
             cache[key] = _profile_one(program, st.start, st.stop, ins, outs, free, wrt, measure_xla,
-                                      pinned, forward_alone=forward_alone)
+                                      pinned, xla_keeps, forward_alone)
         opts_local, wf, wb, local_names = cache[key]
         # Saved value ids are local to the first stage with this structure: map them over.
         mapping = _value_mapping(program, local_names, st.start, st.stop)
@@ -615,7 +626,7 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
             if progress:
                 progress(f"profiling block of stages {a + 1}-{c}/{len(cost.stages)}")
             cache[key] = _profile_one(program, lo, hi, ins, outs, free, wrt, measure_xla, pinned,
-                                      forward_alone=True)
+                                      xla_keeps)
         opts_local, wf, wb, local_names = cache[key]
         mapping = _value_mapping(program, local_names, lo, hi)
         options = tuple(dataclasses.replace(o, saved=tuple(mapping[v] for v in o.saved))
@@ -717,7 +728,7 @@ def _value_mapping(program: Program, ref, start: int, stop: int) -> dict[int, in
 
 
 def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned=frozenset(),
-                 forward_alone=False):
+                 xla_keeps=True, forward_alone=True):
     fn_outs = [v for v in outs if _is_float(program.avals[v])]
     in_avals = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype) for v in ins]
     ct_avals = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype)
@@ -758,7 +769,17 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned
                                   recompute_bytes=float(rc[1])))
     wf = wb = 0
     if measure_xla and fn_outs:
-        wf, wb = _xla_workspace(base, in_avals, ct_avals, wrt, forward_alone)
+        wf, wb, xla_kept = _xla_workspace(base, in_avals, ct_avals, wrt, frozenset(act_inputs))
+        if not forward_alone:
+            wf = wb
+        if xla_kept is not None and xla_keeps and any(c.shape for c in ct_avals):
+            # A stored stage keeps what XLA's fusion keeps, not JAX's residual list
+            # (hlo.py; docs/jax-facts.md, fact 7). The checkpoint options keep the
+            # values they name, which XLA keeps as they are. Not for a stage whose
+            # cotangents are all scalars (the loss): XLA runs its backward's products
+            # ahead of the scalar and keeps their results, which the step, whose
+            # cotangent is a constant, does not.
+            options[0] = dataclasses.replace(options[0], keep_bytes=xla_kept)
     return tuple(options), wf, wb, (start, stop)
 
 
@@ -867,25 +888,31 @@ def vjp_wrt(f, args, wrt):
     return jax.vjp(partial, *[args[i] for i in wrt])
 
 
-def _xla_workspace(f, in_avals, ct_avals, wrt, forward_alone: bool = False) -> tuple[int, int]:
-    """(forward, backward) XLA temp bytes of a stage. The backward's is the stage's
-    forward+backward compiled together, where XLA's fusion decides what is really kept.
-    It also bounds the stage's forward alone (the forward is part of it), and by default
-    is used for both: one compile per distinct stage. With `forward_alone` (a whole
-    block checkpointed as one, whose forward runs apart from its backward and sets the
-    peak where the following blocks keep much) the forward is compiled alone too. A
-    stage with nothing to differentiate has no backward: its forward alone is compiled."""
-    def forward_temp() -> int:
-        fwd = jax.jit(f).lower(*in_avals).compile(measure_compiler_options())
-        return int(fwd.memory_analysis().temp_size_in_bytes)
+def _xla_workspace(f, in_avals, ct_avals, wrt, activation_inputs: frozenset[int] = frozenset()
+                   ) -> tuple[int, int, int | None]:
+    """(forward, backward) XLA temp bytes of a stage, and the bytes XLA keeps from its
+    forward for its backward (hlo.kept_bytes; None without a backward).
 
+    The forward's is the stage's forward compiled alone: what it needs beyond its inputs,
+    outputs and what it keeps (those the model counts apart), as it runs in the step's
+    forward or in a recomputation. The backward's is the forward and backward compiled
+    together, where XLA's fusion decides what is really kept; it bounds the forward too,
+    so the smaller of the two is the forward's. A stage with nothing to differentiate
+    has no backward: its forward alone is compiled. `activation_inputs`: positions in
+    `in_avals` of the activations (the rest are weights, batch and constants, live
+    anyway)."""
+    fwd = jax.jit(f).lower(*in_avals).compile(measure_compiler_options())
+    wf = int(fwd.memory_analysis().temp_size_in_bytes)
     if not wrt:
-        temp = forward_temp()
-        return temp, temp
-    both = jax.jit(lambda a, ct: vjp_wrt(f, a, wrt)[1](ct))
-    wb = both.lower(in_avals, ct_avals).compile(measure_compiler_options())
-    wb = int(wb.memory_analysis().temp_size_in_bytes)
-    return (min(forward_temp(), wb) if forward_alone else wb), wb
+        return wf, wf, None
+    # every argument kept, so that entry parameter k of the HLO is argument k
+    both = jax.jit(lambda a, ct: vjp_wrt(f, a, wrt)[1](ct), keep_unused=True)
+    compiled = both.lower(in_avals, ct_avals).compile(measure_compiler_options())
+    wb = int(compiled.memory_analysis().temp_size_in_bytes)
+    n_in, n_ct = len(in_avals), len(ct_avals)
+    kept = hlo.kept_bytes(compiled.as_text(), set(activation_inputs),
+                          set(range(n_in, n_in + n_ct)))
+    return min(wf, wb), wb, kept
 
 
 def scale_chain(chain: ChainModel, f: float) -> ChainModel:
@@ -967,10 +994,12 @@ def leaf_fwd_peak(chain: ChainModel, i: int, option: KeepOption, stop: int | Non
 
 
 def _counted_again(s: StageProfile, option: KeepOption, top: bool) -> int:
-    """Bytes of a leaf's pooling indices (with_pooling_indices) counted more than once in
-    its forward: its workspace holds them, and so do the keep of every option but
-    `store` and, in a recomputation, its region's kept input."""
-    return s.index_bytes * ((not isinstance(option.kind, Store)) + (not top))
+    """Bytes of a leaf's pooling indices (with_pooling_indices) counted more or less than
+    once in its forward: the keep of every option but `store` holds them and, in a
+    recomputation, so does its region's kept input; the forward's own workspace (compiled
+    alone, no argmax) does not. A stored leaf of the step's forward holds them until its
+    argmax, in the forward: -1 times, added."""
+    return s.index_bytes * ((not isinstance(option.kind, Store)) + (not top) - 1)
 
 
 def leaf_bwd_peak(chain: ChainModel, i: int, option: KeepOption | None = None,
@@ -998,17 +1027,17 @@ def region_fwd_peak(chain: ChainModel, a: int, b: int, top: bool = False) -> int
     stage's input is the region's input, the same arrays (|a & a| = |a|). In the step's own
     forward (`top`) what the region's later stages use and XLA made ahead (random bits,
     pooling indices) is live too (what stages past the region use: forward_need), and
-    the pooling indices of the stages already run stay (the region keeps them to its
-    backward). In a recomputation the enclosing region's kept input holds every
-    stage's: stage j's workspace does not add its own again."""
+    the pooling indices of the stages run so far, stage j's included, stay (the region
+    keeps them to its backward). In a recomputation the enclosing region's kept input
+    holds every stage's (the workspaces, compiled forward alone, hold none)."""
     index = [s.index_bytes for s in chain.stages]
     if top:
         def ahead(j: int) -> int:
             return (chain.ahead_bytes_pending(j + 1) - chain.ahead_bytes_pending(b)
-                    + sum(index[a:j]))
+                    + sum(index[a:j + 1]))
     else:
         def ahead(j: int) -> int:
-            return -index[j]
+            return 0
     return max(
         chain.boundary[a] + chain.boundary[j] + chain.boundary[j + 1]
         - chain.overlap_bytes(j, j + 1)

@@ -232,9 +232,14 @@ def body_chain(body: Body, *, measure_xla: bool = True, profiles: dict | None = 
                ) -> ChainModel:
     """The body's sub-stages profiled like any stages (memory.profile_stages: keep options,
     residual bytes, recompute, XLA workspace; `profiles` as there), with the carry
-    crossing into the first and the body's outputs out of the last."""
+    crossing into the first and the body's outputs out of the last. A stored sub-stage
+    keeps JAX's residual list: the forward loop writes it out as stacked outputs, which
+    XLA cannot fuse away as it does in an unrolled stage (docs/jax-facts.md, fact 7); its
+    forward workspace is the sub-stage's forward and backward compiled together
+    (memory.profile_stages' `forward_alone`)."""
     program = body.program
-    chain = profile_stages(program, body.cost, measure_xla=measure_xla, profiles=profiles)
+    chain = profile_stages(program, body.cost, measure_xla=measure_xla, profiles=profiles,
+                           xla_keeps=False, forward_alone=False)
     carry = program.invars[body.num_consts:body.num_consts + body.num_carry]
     consts_xs = program.free
     boundary = list(chain.boundary)
@@ -263,8 +268,8 @@ def whole_body_chain(body: Body, *, measure_xla: bool = True,
     one = dataclasses.replace(body.cost, stages=(Stage(0, n, body.cost.stages[0].name,
                                                        body.cost.total_flops,
                                                        stage_bytes(body.cost.graph, 0, n)),))
-    chain = profile_stages(program, one, measure_xla=measure_xla, forward_alone=True,
-                           profiles=profiles)
+    chain = profile_stages(program, one, measure_xla=measure_xla, profiles=profiles,
+                           xla_keeps=False)
     carry = program.invars[body.num_consts:body.num_consts + body.num_carry]
     out = sum(program.nbytes(v) for v in program.outvars if isinstance(v, int))
     return ChainModel(chain.stages, (sum(program.nbytes(v) for v in carry), int(out)))

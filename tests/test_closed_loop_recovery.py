@@ -74,24 +74,32 @@ def _suggested(err: rp.InfeasibleBudgetError) -> int:
 
 def test_the_wrong_model_is_wrong_by_the_set_amount(plain):
     """The premise of the tests below: the scaled model's no-remat prediction is off from
-    XLA's by the scale on the activations (fixed memory and offset unchanged)."""
+    XLA's by the scale on the activations (fixed memory and offset unchanged), give or
+    take one stage's gradients: those are not activations, are not scaled, and can move
+    the peak to another stage's backward (measured at 60%: 2,034,294 B of activations
+    at the peak, 17,400 B over 60% of 3,361,490, the peak moving from the head's
+    backward to the stage before it, whose 66,048 B of gradients are then live)."""
     _, an = plain
+    grads = max(s.grad_bytes for s in an.chain.stages)
+    rounding = an.chain.n  # scale_chain rounds each byte count
     for factor in (UNDER, OVER):
         w = wrong(an, factor)
         act = an.noremat_activation_bytes
-        assert w.noremat_activation_bytes == pytest.approx(factor * act, rel=1e-3)
-        assert w.noremat_predicted_peak - an.noremat.peak_bytes == pytest.approx(
-            (factor - 1) * act, rel=1e-3)
+        assert factor * act - rounding <= w.noremat_activation_bytes <= factor * act + grads
+        error = w.noremat_predicted_peak - an.noremat.peak_bytes
+        assert (factor - 1) * act - rounding <= error <= (factor - 1) * act + grads
 
 
 def test_plan_xla_finds_over_is_re_solved_until_it_fits(plain):
     """The model understates every plan by 40% of its activations: the first plan it
-    solves at 60% of the no-remat peak is over by XLA (measured: 4,419,064 B against
-    3,708,492), the loop lowers its target by the excess and re-solves, and the plan
-    returned fits by XLA. With the re-solve switched off no plan of this call fits (the
-    per-block and cheaper probes measure over too) and InfeasibleBudgetError is raised."""
+    solves at 63% of the no-remat peak is over by XLA (measured: 4,874,112 B against
+    3,893,916), the loop lowers its target by the excess and re-solves, and the plan
+    returned fits by XLA (3,860,864 B). With the re-solve switched off no plan of this
+    call fits (the per-block probe measures 3,953,152 B) and InfeasibleBudgetError is
+    raised. (At 60%, 3,708,492 B, the right model's plans measure over too since stored
+    stages are charged what XLA keeps: its lowest, 3,713,408 B.)"""
     m, an = plain
-    budget = an.noremat.peak_bytes * 6 // 10
+    budget = an.noremat.peak_bytes * 63 // 100
     w = wrong(an, UNDER)
     p = _plan(m, budget, w)
     over = [v.peak_bytes for v in w.verified.values() if v.peak_bytes > budget]

@@ -280,7 +280,10 @@ def test_sweep_shots_aim_below_the_budget_by_the_last_error(two_layer):
     later = budget + 2 * over
     aimed, error, need = fr_mod.aim(wl, opt, an, later, skip=skip)
     assert error == over and aimed.segments == model_at(later - over).segments
-    assert need == (aimed.segments != model.segments)
+    # It needs a compile unless it is the plan measured already, within `later`, or
+    # recomputes less than it by under FLAT_GAIN (both by the model: flat)
+    gain = model.recompute_overhead - aimed.recompute_overhead
+    assert need == (aimed.segments != model.segments and gain >= fr_mod.FLAT_GAIN)
     # Measured already: no compile.
     measured(aimed.segments, later, 1.5e9)
     assert fr_mod.aim(wl, opt, an, later, skip=skip)[2] is False

@@ -16,7 +16,7 @@ from remat_planner import planner, scan
 from remat_planner.baselines import builtin_loss
 from remat_planner.step import Step
 from remat_planner.errors import PlanMismatchError
-from remat_planner.memory import simulate
+from remat_planner.memory import profile_stages, simulate
 from remat_planner.models.gpt2_workload import GPT2Settings, build_gpt2
 from remat_planner.constants import MAX_LAYERS_PER_ITERATION
 from remat_planner.plan import (NOTHING, STORE, Plan, ScanPart, ScanScheme, Segment, is_scan_option,
@@ -211,10 +211,10 @@ def test_nested_scheme_recomputes_one_more_forward_per_level_by_xla(analysis, sc
                                                       rel=0.05)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the model puts the nested scheme below the flat one (5,576,795 vs 5,764,296 B) where "
-    "XLA puts it above (6,387,088 vs 5,764,296 B): -12.7% on `scan:4xnothing|nothing/2`"))
 def test_nested_scheme_peak_predicted_within_5pct(analysis, scanned):
+    """Measured +0.7% (6,432,971 B against XLA's 6,387,088 B); -12.7% (5,576,795 B)
+    before the stages around the stack were charged what XLA keeps for them and their
+    forward's own workspace (memory.profile_stages), which moved the calibration's fit."""
     model, _, xla, _ = _model_and_xla(analysis, scanned, "scan:4xnothing|nothing/2")
     assert abs(model / xla - 1) <= 0.05, (model, xla)
 
@@ -364,10 +364,25 @@ def test_xla_peak_within_budget_at_three_budgets(analysis, scanned, real_inputs,
 # The same model unrolled and scanned
 # ---------------------------------------------------------------------------------------
 
+def _as_scan_body(an):
+    """The analysis's chain with its stages profiled as a scanned body's sub-stages are
+    (scan.body_chain): a stored stage keeps JAX's residual list, and the forward's
+    workspace is the forward and backward's compiled together (memory.profile_stages'
+    `xla_keeps` and `forward_alone`)."""
+    body = profile_stages(an.program, an.cost, xla_keeps=False, forward_alone=False)
+    stages = tuple(dataclasses.replace(s, fwd_temp_bytes=b.fwd_temp_bytes, options=(
+        dataclasses.replace(s.options[0], keep_bytes=b.options[0].keep_bytes),
+        *s.options[1:])) for s, b in zip(an.chain.stages, body.stages))
+    return dataclasses.replace(an.chain, stages=stages)
+
+
 @pytest.mark.slow
 def test_unrolled_and_scanned_plans_cost_the_same():
     """Both models of the same 8-layer GPT (uncalibrated: the same jax.vjp residuals and
-    per-sub-stage XLA workspaces) give plans of equal recompute cost within 2%.
+    per-sub-stage XLA workspaces) give plans of equal recompute cost within 2%. (An
+    unrolled stored stage is charged what XLA keeps, fewer bytes than the scan's stacked
+    residuals, and its forward's own workspace: here the unrolled stages are profiled
+    as the scan's body is, so that the solvers see the same stages.)
 
     How the budgets are picked: all of them, 41 from the smallest budget both can meet
     to eps below the smaller no-remat peak (at the peak itself the DP's rounding of
@@ -392,8 +407,10 @@ def test_unrolled_and_scanned_plans_cost_the_same():
     for scan_layers in (False, True):
         wl = gpt2(scan_layers, n_layer=8, batch=8, seq=128)
         an = rp.analyze(wl.loss_fn, wl.abstract_params, wl.abstract_batch, OPT, calibrate=False)
-        solvers.append((an, ChainSolver(an.chain, an.noremat_activation_bytes)))
-    (au, su), (as_, ss) = solvers
+        chain = an.chain if scan_layers else _as_scan_body(an)
+        act = simulate(chain, tuple(Segment(i, i + 1, STORE) for i in range(chain.n)))[0]
+        solvers.append((an, act, ChainSolver(chain, act)))
+    (au, act_u, su), (as_, act_s, ss) = solvers
     program = as_.program
     stack = scan.profile_layer_stack(program, scan.find_layer_scan(program), measure_xla=False)
     mixed = max(scan.mixed_cotangent_bytes(stack, g)
@@ -401,7 +418,7 @@ def test_unrolled_and_scanned_plans_cost_the_same():
                 if stack.length % g == 0)
     eps = 2 * stack.length * stack.xs_bytes + mixed + 2 * stack.carry_bytes
     lo = max(su.min_feasible_bytes(), ss.min_feasible_bytes())
-    hi = min(au.noremat_activation_bytes, as_.noremat_activation_bytes)
+    hi = min(act_u, act_s)
     assert eps < 0.05 * (hi - lo)
 
     def cost(solver, budget):

@@ -652,9 +652,10 @@ def test_a_span_is_one_checkpoint_over_its_stages():
 def test_pooling_indices_are_held_from_the_start_to_the_backward_unless_stored():
     """A stage's pooling index arrays (memory.with_index_arrays; docs/jax-facts.md, fact
     9) are live from the step's start: made ahead in the forward until their stage runs;
-    past it, to the stage's backward where the stage is not stored, and to its region's
-    backward where a region checkpoints it; counted once where the stage's own workspace
-    holds them too."""
+    past it, to their argmax: in the stage's forward where it is stored, else in its
+    backward, or its region's backward where a region checkpoints it. The stage's
+    backward workspace (forward and backward compiled together) holds them, its
+    forward's (compiled alone) does not: counted once either way."""
     stage = StageProfile("s", 1.0, (KeepOption(STORE, (), 10, 0.0),
                                     KeepOption(NOTHING, (), 1, 1.0)), 20, 5)
     chain = ChainModel((stage,) * 3, (0, 1, 1, 0))
@@ -667,19 +668,20 @@ def test_pooling_indices_are_held_from_the_start_to_the_backward_unless_stored()
         return {k: index[k] - plain[k] for k in plain if index[k] != plain[k]}
 
     stored = tuple(Segment(i, i + 1, STORE) for i in range(3))
-    # stored: only ahead of stage 1, in stage 0's forward
-    assert more(stored) == {("forward", 0): 6}
+    # stored: ahead of stage 1 in stage 0's forward, and in stage 1's forward (its argmax)
+    assert more(stored) == {("forward", 0): 6, ("forward", 1): 6}
     # stage 1 checkpointed: also from its forward to its backward
     ckpt = (Segment(0, 1, STORE), Segment(1, 2, NOTHING), Segment(2, 3, STORE))
-    assert more(ckpt) == {("forward", 0): 6, ("forward", 2): 6, ("backward", 2): 6}
-    # a region over stages 0-1: ahead of stage 1 in the region's forward (its peak moves
-    # from stage 1's 1 + 1 + 20 = 22 to stage 0's 1 + 20 + 6 = 27), kept by the region to
-    # its backward (stage 2's points), and its recomputation holds them from its start
-    # (stage 0's points; stage 1's own workspace counts them once) to its end: an upper
-    # bound in stage 0's backward, where XLA has freed them after stage 1's
+    assert more(ckpt) == {("forward", 0): 6, ("forward", 1): 6, ("forward", 2): 6,
+                          ("backward", 2): 6}
+    # a region over stages 0-1: in the region's forward from its start (its peak moves
+    # from stage 1's 1 + 1 + 20 = 22 to 28), kept by the region to its backward (stage
+    # 2's points), and its recomputation holds them from its start to its end (the
+    # region's kept input): an upper bound in stage 0's backward, where XLA has freed
+    # them after stage 1's
     inner = (Segment(0, 1, STORE), Segment(1, 2, STORE))
     region = (Segment(0, 2, NOTHING, (), inner), Segment(2, 3, STORE))
     assert region_fwd_peak(chain, 0, 2, top=True) == 22
-    assert region_fwd_peak(held, 0, 2, top=True) == 27
-    assert more(region) == {("forward", 0): 5, ("forward", 2): 6, ("backward", 2): 6,
-                            ("recompute", 0): 6, ("backward", 0): 6}
+    assert region_fwd_peak(held, 0, 2, top=True) == 28
+    assert more(region) == {("forward", 0): 6, ("forward", 2): 6, ("backward", 2): 6,
+                            ("recompute", 0): 6, ("recompute", 1): 6, ("backward", 0): 6}

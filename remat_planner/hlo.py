@@ -1,0 +1,119 @@
+"""What XLA keeps from a stage's forward for its backward, read from optimized HLO.
+
+JAX's autodiff names the residuals a stage's backward needs (memory.residuals); XLA's
+fusion then keeps fewer or other buffers: it recomputes cheap elementwise chains inside
+the backward's fusions, keeps a fused producer's result instead of its inputs, and keeps
+buffers JAX does not list as such (random bits of dropout, index tensors). Measured on
+configs/gpt2-tiny.yaml: the attention-and-MLP stages' JAX residuals are 1,913,348 B and
+3,674,624 B, XLA keeps 1,585,152 B and 2,101,248 B of their forward for the backward
+(docs/jax-facts.md, fact 7).
+
+`kept_bytes` reads that from the text of a compiled forward+backward: the buffers
+computed without the cotangent (or activation inputs) that an instruction depending on
+the cotangent reads. Only the entry computation is read: a fusion or a loop is one
+instruction there, its result one buffer (or one per element of a tuple).
+"""
+
+from __future__ import annotations
+
+import re
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([\w\-]+)\((.*?)\)(.*)$")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+             "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+# Instructions that name (part of) another instruction's buffer instead of their own.
+_ALIASES = frozenset({"bitcast", "get-tuple-element", "tuple"})
+
+
+def array_bytes(shape: str) -> int:
+    """Bytes of an HLO array shape such as `f32[4,64,128]{2,1,0}` (0 for a tuple)."""
+    m = _ARRAY.match(shape.strip())
+    if m is None or shape.lstrip().startswith("("):
+        return 0
+    n = _ITEMSIZE.get(m.group(1), 4)
+    for d in m.group(2).split(","):
+        if d:
+            n *= int(d)
+    return n
+
+
+def _entry(text: str) -> list[tuple[str, str, str, list[str], str, str]]:
+    """(name, shape, opcode, operand names, operand text, attributes) of each instruction
+    of the entry computation, in schedule order."""
+    start = text.index("\nENTRY")
+    body = text[text.index("{", start) + 1:]
+    out = []
+    for line in body.splitlines():
+        if line.strip() == "}":
+            break
+        m = _INSTRUCTION.match(line)
+        if m:
+            name, shape, op, args, attrs = m.groups()
+            out.append((name, shape, op, re.findall(r"%([\w.\-]+)", args), args, attrs))
+    return out
+
+
+def kept_bytes(text: str, activation_params: set[int], cotangent_params: set[int]) -> int:
+    """Bytes of the buffers a compiled forward+backward (`text`: its optimized HLO) holds
+    from its forward for its backward.
+
+    Args:
+      text: `compiled.as_text()` of a function of (inputs..., cotangents...), with every
+        argument kept (jax.jit(..., keep_unused=True)) so that entry parameter k is
+        argument k.
+      activation_params: entry parameter numbers of activation inputs (counted when the
+        backward reads them: the stage's input kept for it); other inputs (weights,
+        batch, constants) are live anyway and not counted.
+      cotangent_params: entry parameter numbers of the cotangents.
+    Returns:
+      The bytes of every buffer defined without the cotangents (an instruction's result,
+      or an activation input) that an instruction depending on the cotangents reads.
+      A buffer computed from constants alone (the zeros a scatter-add of the backward
+      starts from, an iota) is not the forward's: XLA makes it wherever its schedule
+      puts it, so it is not counted.
+    """
+    insts = _entry(text)
+    ops = {name: op for name, _, op, *_ in insts}
+    param_no: dict[str, int] = {}
+    depends: set[str] = set()
+    reads_input: set[str] = set()  # instructions that read an entry parameter, through any path
+    buffer: dict[str, object] = {}  # name -> the buffer it names (a name, or (name, index))
+    size: dict[object, int] = {}
+    for name, shape, op, operands, args, attrs in insts:
+        if op == "parameter":
+            param_no[name] = int(args)
+            reads_input.add(name)
+            if int(args) in cotangent_params:
+                depends.add(name)
+        elif any(o in depends for o in operands):
+            depends.add(name)
+        if any(o in reads_input for o in operands):
+            reads_input.add(name)
+        if op == "bitcast" and operands:
+            buffer[name] = buffer.get(operands[0], operands[0])
+        elif op == "get-tuple-element" and operands:
+            index = re.search(r"index=(\d+)", attrs)
+            key = (buffer.get(operands[0], operands[0]), int(index.group(1)) if index else 0)
+            buffer[name] = key
+            size[key] = array_bytes(shape)
+        elif op == "tuple":
+            buffer[name] = None
+        else:
+            buffer[name] = name
+            size[name] = array_bytes(shape)
+    kept = set()
+    for name, _, op, operands, _, _ in insts:
+        if name not in depends or op in _ALIASES:
+            continue
+        for o in operands:
+            key = buffer.get(o, o)
+            if o in depends or key is None:
+                continue
+            base = key[0] if isinstance(key, tuple) else key
+            if ops.get(base) == "constant" or base not in reads_input:
+                continue
+            if ops.get(base) == "parameter" and param_no.get(base) not in activation_params:
+                continue
+            kept.add(key)
+    return int(sum(size.get(k, 0) for k in kept))

@@ -1,0 +1,85 @@
+"""hlo.kept_bytes: what XLA keeps from a forward for its backward, read from optimized HLO
+text (docs/jax-facts.md, fact 7). A hand-written entry computation pins the reading rules;
+a compiled stage pins it against XLA's own output."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from remat_planner import hlo
+from remat_planner.memory import measure_compiler_options, vjp_wrt
+
+# x (an activation), w (a weight), ct (the cotangent). The forward's dot and the tuple
+# fusion are read by the backward; the constant, the weight, the fused elementwise
+# value read only in the forward and the zeros made from a constant alone are not kept.
+TEXT = """HloModule m
+
+%fused (p: f32[4,8]) -> f32[4,8] {
+  ROOT %p = f32[4,8]{1,0} parameter(0)
+}
+
+ENTRY %main (x: f32[4,8], w: f32[8,8], ct: f32[4,8]) -> f32[4,8] {
+  %x = f32[4,8]{1,0} parameter(0)
+  %w = f32[8,8]{1,0} parameter(1)
+  %ct = f32[4,8]{1,0} parameter(2)
+  %c = f32[] constant(2)
+  %zeros = f32[4,8]{1,0} broadcast(%c), dimensions={}
+  %dot = f32[4,8]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %pair = (f32[4,8]{1,0}, f32[4]{0}) fusion(%dot), kind=kLoop, calls=%fused
+  %first = f32[4,8]{1,0} get-tuple-element(%pair), index=0
+  %second = f32[4]{0} get-tuple-element(%pair), index=1
+  %unused = f32[4,8]{1,0} fusion(%dot), kind=kLoop, calls=%fused
+  %flat = f32[32]{0} bitcast(%first)
+  %g = f32[4,8]{1,0} fusion(%ct, %flat, %second, %c, %w, %zeros), kind=kLoop, calls=%fused
+  ROOT %dx = f32[4,8]{1,0} dot(%g, %x), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_array_bytes():
+    assert hlo.array_bytes("f32[4,64,128]{2,1,0}") == 4 * 64 * 128 * 4
+    assert hlo.array_bytes("bf16[3]{0}") == 6
+    assert hlo.array_bytes("u32[2,2]") == 16
+    assert hlo.array_bytes("f32[]") == 4
+    assert hlo.array_bytes("(f32[4], f32[4])") == 0
+
+
+def test_reading_rules_on_a_hand_written_entry():
+    # the tuple's two elements (through a bitcast and a get-tuple-element), and x, an
+    # activation read by the backward's dot; not the weight, the constant, the zeros
+    # broadcast from it, the unused fusion nor the dot itself (read only through the tuple)
+    assert hlo.kept_bytes(TEXT, activation_params={0}, cotangent_params={2}) \
+        == 4 * 8 * 4 + 4 * 4 + 4 * 8 * 4
+    # x as a weight-like input (the batch): live anyway, not counted
+    assert hlo.kept_bytes(TEXT, activation_params=set(), cotangent_params={2}) \
+        == 4 * 8 * 4 + 4 * 4
+
+
+def test_a_compiled_layer_keeps_its_matmul_output_not_the_tanh():
+    """tanh(x @ w) compiled with its backward: XLA keeps the matmul's output (recomputing
+    the tanh inside the backward's fusion) and the input x, which the weight's gradient
+    reads. JAX's residual list has the tanh and its derivative besides x."""
+    x = jax.ShapeDtypeStruct((16, 32), jnp.float32)
+    w = jax.ShapeDtypeStruct((32, 32), jnp.float32)
+    f = lambda x, w: [jnp.tanh(x @ w)]  # noqa: E731
+    both = jax.jit(lambda a, ct: vjp_wrt(f, a, (0, 1))[1](ct), keep_unused=True)
+    text = both.lower([x, w], [x]).compile(measure_compiler_options()).as_text()
+    act = 16 * 32 * 4
+    assert hlo.kept_bytes(text, activation_params={0}, cotangent_params={2}) == 2 * act
+    assert hlo.kept_bytes(text, activation_params=set(), cotangent_params={2}) == act
+
+
+def test_a_compiled_embedding_keeps_nothing_of_its_scatter_s_zeros():
+    """An embedding lookup's backward scatter-adds into zeros that XLA broadcasts from a
+    constant and, compiled with the forward, reads from outside the backward: they are
+    not kept from the forward (measured: the corpus plain-JAX transformer's embedding
+    stage, 65,920 B counted with them, 384 B without; its loss head's zeros, 98,304 B).
+    What is counted is what the token ids become (an s32 index column, from the batch)."""
+    table = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+    ids = jax.ShapeDtypeStruct((2, 48), jnp.int32)
+    f = lambda table, ids: [jnp.take(table, ids, axis=0)]  # noqa: E731
+    both = jax.jit(lambda a, ct: vjp_wrt(f, a, (0,))[1](ct), keep_unused=True)
+    ct = jax.ShapeDtypeStruct((2, 48, 64), jnp.float32)
+    text = both.lower([table, ids], [ct]).compile(measure_compiler_options()).as_text()
+    assert hlo.kept_bytes(text, activation_params=set(), cotangent_params={2}) < 256 * 64 * 4
