@@ -5,10 +5,11 @@ the stage's backward (read from its compiled HLO, hlo.py); for a checkpoint poli
 JAX's autodiff keeps (measured by tracing `jax.vjp` of the stage with the policy). Also
 the FLOPs a policy recomputes, and the transient workspace XLA needs for the stage's
 forward and backward (read from XLA's buffer assignment of the stage alone: its forward
-compiled alone, and its forward and backward compiled together). Identical stages (transformer blocks) are
-measured once. `simulate` then walks a plan's schedule - forward through the segments,
-backward in reverse with recomputation - and returns its activation peak and recompute
-cost. The solver optimises exactly this model; verify checks it against XLA.
+compiled alone, and its forward and backward compiled together). Identical stages
+(transformer blocks) are measured once. `simulate` then walks a plan's schedule -
+forward through the segments, backward in reverse with recomputation - and returns its
+activation peak and recompute cost. The solver optimises exactly this model; verify
+checks it against XLA.
 """
 
 from __future__ import annotations
@@ -769,9 +770,8 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned
                                   recompute_bytes=float(rc[1])))
     wf = wb = 0
     if measure_xla and fn_outs:
-        wf, wb, xla_kept = _xla_workspace(base, in_avals, ct_avals, wrt, frozenset(act_inputs))
-        if not forward_alone:
-            wf = wb
+        wf, wb, xla_kept = _xla_workspace(base, in_avals, ct_avals, wrt, frozenset(act_inputs),
+                                          forward_alone)
         if xla_kept is not None and xla_keeps and any(c.shape for c in ct_avals):
             # A stored stage keeps what XLA's fusion keeps, not JAX's residual list
             # (hlo.py; docs/jax-facts.md, fact 7). The checkpoint options keep the
@@ -888,8 +888,8 @@ def vjp_wrt(f, args, wrt):
     return jax.vjp(partial, *[args[i] for i in wrt])
 
 
-def _xla_workspace(f, in_avals, ct_avals, wrt, activation_inputs: frozenset[int] = frozenset()
-                   ) -> tuple[int, int, int | None]:
+def _xla_workspace(f, in_avals, ct_avals, wrt, activation_inputs: frozenset[int] = frozenset(),
+                   forward_alone: bool = True) -> tuple[int, int, int | None]:
     """(forward, backward) XLA temp bytes of a stage, and the bytes XLA keeps from its
     forward for its backward (hlo.kept_bytes; None without a backward).
 
@@ -900,11 +900,15 @@ def _xla_workspace(f, in_avals, ct_avals, wrt, activation_inputs: frozenset[int]
     so the smaller of the two is the forward's. A stage with nothing to differentiate
     has no backward: its forward alone is compiled. `activation_inputs`: positions in
     `in_avals` of the activations (the rest are weights, batch and constants, live
-    anyway)."""
-    fwd = jax.jit(f).lower(*in_avals).compile(measure_compiler_options())
-    wf = int(fwd.memory_analysis().temp_size_in_bytes)
+    anyway). Without `forward_alone` the forward's is the backward's too, and the forward
+    is not compiled alone (profile_stages)."""
+    def forward_temp() -> int:
+        fwd = jax.jit(f).lower(*in_avals).compile(measure_compiler_options())
+        return int(fwd.memory_analysis().temp_size_in_bytes)
+
     if not wrt:
-        return wf, wf, None
+        temp = forward_temp()
+        return temp, temp, None
     # every argument kept, so that entry parameter k of the HLO is argument k
     both = jax.jit(lambda a, ct: vjp_wrt(f, a, wrt)[1](ct), keep_unused=True)
     compiled = both.lower(in_avals, ct_avals).compile(measure_compiler_options())
@@ -912,7 +916,7 @@ def _xla_workspace(f, in_avals, ct_avals, wrt, activation_inputs: frozenset[int]
     n_in, n_ct = len(in_avals), len(ct_avals)
     kept = hlo.kept_bytes(compiled.as_text(), set(activation_inputs),
                           set(range(n_in, n_in + n_ct)))
-    return min(wf, wb), wb, kept
+    return (min(forward_temp(), wb) if forward_alone else wb), wb, kept
 
 
 def scale_chain(chain: ChainModel, f: float) -> ChainModel:
