@@ -1,4 +1,5 @@
-"""What XLA keeps from a stage's forward for its backward, read from optimized HLO.
+"""What XLA keeps from a stage's forward for its backward, and what its backward holds at
+once, read from optimized HLO.
 
 JAX's autodiff names the residuals a stage's backward needs (memory.residuals); XLA's
 fusion then keeps fewer or other buffers: it recomputes cheap elementwise chains inside
@@ -10,8 +11,10 @@ configs/gpt2-tiny.yaml: the attention-and-MLP stages' JAX residuals are 1,913,34
 
 `kept_bytes` reads that from the text of a compiled forward+backward: the buffers
 computed without the cotangent (or activation inputs) that an instruction depending on
-the cotangent reads. Only the entry computation is read: a fusion or a loop is one
-instruction there, its result one buffer (or one per element of a tuple).
+the cotangent reads. `live_peak_bytes` reads the most bytes live at once along its
+schedule: the stage's input and cotangents are not all live at its backward's peak
+(docs/jax-facts.md, fact 10). Only the entry computation is read: a fusion or a loop is
+one instruction there, its result one buffer (or one per element of a tuple).
 """
 
 from __future__ import annotations
@@ -54,6 +57,97 @@ def _entry(text: str) -> list[tuple[str, str, str, list[str], str, str]]:
     return out
 
 
+def _buffers(insts) -> tuple[dict[str, object], dict[object, int]]:
+    """What each instruction's name refers to, and each buffer's bytes. A name refers to
+    its own buffer (the name), to an element of another instruction's tuple result
+    ((that name, index): a get-tuple-element, through bitcasts), or, for a tuple, to
+    the list of its elements' buffers."""
+    buffer: dict[str, object] = {}
+    size: dict[object, int] = {}
+    for name, shape, op, operands, args, attrs in insts:
+        if op == "bitcast" and operands:
+            buffer[name] = buffer.get(operands[0], operands[0])
+        elif op == "get-tuple-element" and operands:
+            index = re.search(r"index=(\d+)", attrs)
+            i = int(index.group(1)) if index else 0
+            base = buffer.get(operands[0], operands[0])
+            if isinstance(base, list):
+                buffer[name] = base[i] if i < len(base) else None
+            else:
+                buffer[name] = (base, i)
+                size[(base, i)] = array_bytes(shape)
+        elif op == "tuple":
+            buffer[name] = [buffer.get(o, o) for o in operands]
+        else:
+            buffer[name] = name
+            size[name] = array_bytes(shape)
+    return buffer, size
+
+
+def _flat(key) -> list:
+    """The buffers a name refers to (_buffers), a tuple's flattened."""
+    if isinstance(key, list):
+        return [b for k in key for b in _flat(k)]
+    return [] if key is None else [key]
+
+
+def live_peak_bytes(text: str, counted_params: set[int], uncounted_outputs: set[int]) -> int:
+    """The most bytes live at once in a compiled function (`text`: its optimized HLO),
+    following its schedule: an instruction's result is live from the instruction to its
+    last reader, an entry parameter from the start to its last reader, an output from
+    the instruction that makes it to the end. Every result counts (XLA's temporaries),
+    constants do not, a parameter only if it is in `counted_params` (entry parameter
+    numbers), an output unless it is in `uncounted_outputs` (positions in the result
+    tuple) and not a parameter.
+
+    A stage's forward+backward compiled alone as one function: its activation inputs
+    and output cotangents die at their last use and its input cotangents are made late,
+    where XLA's `temp_size_in_bytes` leaves all three out and a sum over them and the
+    temp counts them live together (docs/jax-facts.md, fact 10). The instruction where
+    several buffers are read and one is made counts them all, as XLA's live ranges do.
+    """
+    insts = _entry(text)
+    opcode = {name: op for name, _, op, *_ in insts}
+    buffer, size = _buffers(insts)
+    born: dict[object, int] = {}
+    last: dict[object, int] = {}
+    for t, (name, shape, op, operands, args, attrs) in enumerate(insts):
+        for o in operands:
+            for key in _flat(buffer.get(o, o)):
+                last[key] = t
+    for t, (name, shape, op, operands, args, attrs) in enumerate(insts):
+        if op == "parameter":
+            born[name] = 0
+            if int(args) not in counted_params:
+                size[name] = 0
+        elif op == "constant":
+            size[name] = 0
+        born.setdefault(name, t)
+    end = len(insts)
+    root = insts[-1][0] if insts else None
+    outs = buffer.get(root, root)
+    for i, out in enumerate(outs if isinstance(outs, list) else [outs]):
+        for key in _flat(out):
+            base = key[0] if isinstance(key, tuple) else key
+            if i in uncounted_outputs and opcode.get(base) != "parameter":
+                size[key] = 0
+            else:
+                last[key] = end
+    change = [0] * (end + 2)
+    for key, nbytes in size.items():
+        if not nbytes:
+            continue
+        base = key[0] if isinstance(key, tuple) else key
+        start = born.get(base, 0)
+        change[start] += nbytes
+        change[max(last.get(key, start), start) + 1] -= nbytes
+    peak = live = 0
+    for delta in change:
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
 def kept_bytes(text: str, activation_params: set[int], cotangent_params: set[int]) -> int:
     """Bytes of the buffers a compiled forward+backward (`text`: its optimized HLO) holds
     from its forward for its backward.
@@ -75,11 +169,10 @@ def kept_bytes(text: str, activation_params: set[int], cotangent_params: set[int
     """
     insts = _entry(text)
     ops = {name: op for name, _, op, *_ in insts}
+    buffer, size = _buffers(insts)
     param_no: dict[str, int] = {}
     depends: set[str] = set()
     reads_input: set[str] = set()  # instructions that read an entry parameter, through any path
-    buffer: dict[str, object] = {}  # name -> the buffer it names (a name, or (name, index))
-    size: dict[object, int] = {}
     for name, shape, op, operands, args, attrs in insts:
         if op == "parameter":
             param_no[name] = int(args)
@@ -90,25 +183,13 @@ def kept_bytes(text: str, activation_params: set[int], cotangent_params: set[int
             depends.add(name)
         if any(o in reads_input for o in operands):
             reads_input.add(name)
-        if op == "bitcast" and operands:
-            buffer[name] = buffer.get(operands[0], operands[0])
-        elif op == "get-tuple-element" and operands:
-            index = re.search(r"index=(\d+)", attrs)
-            key = (buffer.get(operands[0], operands[0]), int(index.group(1)) if index else 0)
-            buffer[name] = key
-            size[key] = array_bytes(shape)
-        elif op == "tuple":
-            buffer[name] = None
-        else:
-            buffer[name] = name
-            size[name] = array_bytes(shape)
     kept = set()
     for name, _, op, operands, _, _ in insts:
         if name not in depends or op in _ALIASES:
             continue
         for o in operands:
             key = buffer.get(o, o)
-            if o in depends or key is None:
+            if o in depends or key is None or isinstance(key, list):
                 continue
             base = key[0] if isinstance(key, tuple) else key
             if ops.get(base) == "constant" or base not in reads_input:

@@ -4,8 +4,9 @@ Per stage the model needs what each keep option keeps: for `store`, what XLA kee
 the stage's backward (read from its compiled HLO, hlo.py); for a checkpoint policy, what
 JAX's autodiff keeps (measured by tracing `jax.vjp` of the stage with the policy). Also
 the FLOPs a policy recomputes, and the transient workspace XLA needs for the stage's
-forward and backward (read from XLA's buffer assignment of the stage alone: its forward
-compiled alone, and its forward and backward compiled together). Identical stages
+forward and backward (its forward compiled alone: XLA's temp; its forward and backward
+compiled together: the most bytes live at once in XLA's schedule, beyond the stage's
+boundaries, hlo.live_peak_bytes). Identical stages
 (transformer blocks) are measured once. `simulate` then walks a plan's schedule -
 forward through the segments, backward in reverse with recomputation - and returns its
 activation peak and recompute cost. The solver optimises exactly this model; verify
@@ -355,7 +356,8 @@ class StageProfile:
     flops: float
     options: tuple[KeepOption, ...]  # options[0] is `store`
     fwd_temp_bytes: int   # XLA temp of the forward compiled alone (see _xla_workspace)
-    bwd_temp_bytes: int   # XLA temp of forward+backward compiled together
+    # forward+backward compiled together: its live peak less its boundaries (may be < 0)
+    bwd_temp_bytes: int
     bytes_accessed: float = 0.0  # memory traffic of the forward (graph.eqn_bytes)
     # Gradients of the parameters only this stage uses: written by its backward, then
     # applied and freed (per-parameter updates; memory.stage_gradient_bytes).
@@ -890,18 +892,24 @@ def vjp_wrt(f, args, wrt):
 
 def _xla_workspace(f, in_avals, ct_avals, wrt, activation_inputs: frozenset[int] = frozenset(),
                    forward_alone: bool = True) -> tuple[int, int, int | None]:
-    """(forward, backward) XLA temp bytes of a stage, and the bytes XLA keeps from its
+    """A stage's forward and backward workspaces, and the bytes XLA keeps from its
     forward for its backward (hlo.kept_bytes; None without a backward).
 
-    The forward's is the stage's forward compiled alone: what it needs beyond its inputs,
-    outputs and what it keeps (those the model counts apart), as it runs in the step's
-    forward or in a recomputation. The backward's is the forward and backward compiled
-    together, where XLA's fusion decides what is really kept; it bounds the forward too,
-    so the smaller of the two is the forward's. A stage with nothing to differentiate
-    has no backward: its forward alone is compiled. `activation_inputs`: positions in
+    The forward's is the stage's forward compiled alone: XLA's temp, what it needs beyond
+    its inputs, outputs and what it keeps (those the model counts apart), as it runs in
+    the step's forward or in a recomputation. The backward's is read from the forward
+    and backward compiled together, where XLA's fusion decides what is really kept: the
+    most bytes live at once in its schedule (hlo.live_peak_bytes: its activation inputs
+    and output cotangents until their last use, its input cotangents from when they are
+    made, its temporaries; not its weights nor their gradients, counted apart), less its
+    activation inputs, output cotangents and input cotangents, which leaf_bwd_peak adds
+    as the stage's boundaries. It is negative when those are not all live at once
+    (docs/jax-facts.md, fact 10). That compile's temp bounds the forward's too, so the
+    smaller of the two is the forward's. A stage with nothing to differentiate has no
+    backward: its forward alone is compiled. `activation_inputs`: positions in
     `in_avals` of the activations (the rest are weights, batch and constants, live
-    anyway). Without `forward_alone` the forward's is the backward's too, and the forward
-    is not compiled alone (profile_stages)."""
+    anyway). Without `forward_alone` the forward's is the forward+backward compile's
+    temp, and the forward is not compiled alone (profile_stages)."""
     def forward_temp() -> int:
         fwd = jax.jit(f).lower(*in_avals).compile(measure_compiler_options())
         return int(fwd.memory_analysis().temp_size_in_bytes)
@@ -912,11 +920,29 @@ def _xla_workspace(f, in_avals, ct_avals, wrt, activation_inputs: frozenset[int]
     # every argument kept, so that entry parameter k of the HLO is argument k
     both = jax.jit(lambda a, ct: vjp_wrt(f, a, wrt)[1](ct), keep_unused=True)
     compiled = both.lower(in_avals, ct_avals).compile(measure_compiler_options())
-    wb = int(compiled.memory_analysis().temp_size_in_bytes)
     n_in, n_ct = len(in_avals), len(ct_avals)
-    kept = hlo.kept_bytes(compiled.as_text(), set(activation_inputs),
-                          set(range(n_in, n_in + n_ct)))
-    return (min(forward_temp(), wb) if forward_alone else wb), wb, kept
+    text = compiled.as_text()
+    kept = hlo.kept_bytes(text, set(activation_inputs), set(range(n_in, n_in + n_ct)))
+    temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    weight_grads = {k for k, i in enumerate(wrt) if i not in activation_inputs}
+    live = hlo.live_peak_bytes(text, set(activation_inputs) | set(range(n_in, n_in + n_ct)),
+                               weight_grads)
+    io = (sum(_aval_bytes(in_avals[i]) for i in activation_inputs)
+          + sum(_aval_bytes(in_avals[i]) for i in wrt if i in activation_inputs)
+          + sum(_aval_bytes(c) for c in ct_avals))
+    return (min(forward_temp(), temp) if forward_alone else temp), live - io, kept
+
+
+def _aval_bytes(aval) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def scaled_workspace(w: int, beta: float) -> int:
+    """A stage workspace times the calibration's workspace scale beta. A negative one is
+    not workspace but boundaries not live at the stage's backward peak (_xla_workspace):
+    it is not scaled, so that a prediction stays non-decreasing in beta, as the
+    calibration's bisection needs."""
+    return int(w * beta) if w > 0 else w
 
 
 def scale_chain(chain: ChainModel, f: float) -> ChainModel:
@@ -1011,8 +1037,9 @@ def leaf_bwd_peak(chain: ChainModel, i: int, option: KeepOption | None = None,
     """Backward of the leaf over stages [i, stop) (one stage by default); `top`: a leaf of
     the step's own forward, else of a recomputation (whose region keeps the leaf's pooling
     indices: its workspace does not add them again)."""
-    # bwd_temp_bytes is XLA's temp for the stage's forward+backward compiled together: it
-    # holds the residuals as XLA keeps them (after fusion) and the backward's workspace.
+    # bwd_temp_bytes is the live peak of the stage's forward+backward compiled together,
+    # less the boundaries counted here (_xla_workspace): it holds the residuals as XLA
+    # keeps them (after fusion) and the backward's workspace.
     stop = i + 1 if stop is None else stop
     s = chain.leaf_profile(i, stop)
     temp = s.bwd_temp_bytes

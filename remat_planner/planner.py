@@ -26,9 +26,10 @@ from .errors import InfeasibleBudgetError
 from .graph import CostGraph, build_cost_graph
 from .graph import jaxpr_bytes, jaxpr_flops
 from .memory import (ChainModel, FixedMemory, StageProfile, fixed_memory, per_parameter_update,
-                     profile_stages, scale_chain, simulate, stage_gradient_bytes,
-                     with_gradient_timeline, with_pooling_indices, with_random_bits,
-                     weighted_chain, with_gathered_weights, with_stage_gradients)
+                     profile_stages, scale_chain, scaled_workspace, simulate,
+                     stage_gradient_bytes, with_gradient_timeline, with_pooling_indices,
+                     with_random_bits, weighted_chain, with_gathered_weights,
+                     with_stage_gradients)
 from .sharding import (ShardingSpec, batch_share, check_devices, collective_outputs,
                        gathered_bytes, rebuilds_scan, with_unpaired, with_unpaired_kernels)
 from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Plan, ScanOption, Segment,
@@ -340,9 +341,11 @@ def _scaled(chain: ChainModel, alpha: float, beta: float) -> ChainModel:
     def scaled(s):
         opts = tuple(dataclasses.replace(o, keep_bytes=int(o.keep_bytes * alpha))
                      if isinstance(o.kind, Store) else o for o in s.options)
-        return dataclasses.replace(s, options=opts, fwd_temp_bytes=int(s.fwd_temp_bytes * beta),
-                                   bwd_temp_bytes=int(s.bwd_temp_bytes * beta))
+        return dataclasses.replace(s, options=opts,
+                                   fwd_temp_bytes=scaled_workspace(s.fwd_temp_bytes, beta),
+                                   bwd_temp_bytes=scaled_workspace(s.bwd_temp_bytes, beta))
     return dataclasses.replace(chain, stages=tuple(scaled(s) for s in chain.stages))
+
 
 
 def _fit_scale(f: Callable[[float], int], target: int, lo: float = 0.1, hi: float = 4.0) -> float:

@@ -46,8 +46,8 @@ from .constants import MAX_LAYERS_PER_ITERATION, MAX_SUB_STAGES, SCAN_MIN_SHARE
 from .graph import (CostGraph, Stage, stage_name, build_graph, crossing_bytes, definitions,
                     eqn_flops, find_stages, jaxpr_bytes, jaxpr_flops, last_uses, stage_bytes)
 from .memory import (ChainModel, KeepOption, StageProfile, cut_overlap, profile_stages,
-                     region_inputs, scale_chain, segment_keep, simulate, stage_io,
-                     weighted_chain)
+                     region_inputs, scale_chain, scaled_workspace, segment_keep, simulate,
+                     stage_io, weighted_chain)
 from .plan import (NOTHING, STORE, ScanPart, ScanScheme, Segment, StageInfo, Store,
                    layer_policies, mixed_name)
 from .solve import enumerate_plans
@@ -448,8 +448,10 @@ def rescaled(stack: LayerStack, alpha: float, beta: float) -> LayerStack:
                                         keep_bytes=int(s.options[0].keep_bytes * alpha)),
                     *s.options[1:])
             stages.append(dataclasses.replace(s, options=opts,
-                                              fwd_temp_bytes=int(s.fwd_temp_bytes * beta),
-                                              bwd_temp_bytes=int(s.bwd_temp_bytes * beta)))
+                                              fwd_temp_bytes=scaled_workspace(s.fwd_temp_bytes,
+                                                                              beta),
+                                              bwd_temp_bytes=scaled_workspace(s.bwd_temp_bytes,
+                                                                              beta)))
         return dataclasses.replace(chain, stages=tuple(stages))
 
     chain, whole = scaled(stack.chain), scaled(stack.whole)

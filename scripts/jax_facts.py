@@ -25,6 +25,9 @@ Everything is compiled on abstract shapes (nothing allocated) and read from XLA'
 9. On CPU, XLA makes the index iotas of every max pooling's gradient at the start of the
    step, and holds them until the pooling's argmax (in the backward for a checkpointed
    pooling): four times its input's bytes for an image (memory.with_pooling_indices).
+10. A stage's input, its cotangent and its output's cotangent are not all live at the
+   peak of its backward compiled alone: the model charges the most bytes live at once
+   in XLA's schedule, not XLA's temp plus all three (memory._xla_workspace).
 """
 
 from __future__ import annotations
@@ -369,6 +372,53 @@ def fact_pooling_indices_early() -> list[str]:
             "the first convolution |", "|---|---|---|---|---|---|", *out]
 
 
+def fact_boundaries_not_all_live() -> list[str]:
+    """Stages compiled forward+backward alone, as the memory model profiles them (a function
+    of the stage's inputs and its output's cotangent returning the input cotangents): XLA's
+    temp, and the stage's boundaries (its activation input, that input's cotangent, the
+    output's cotangent), which temp leaves out. Their sum is what the model charged for
+    the stage's backward before; the most bytes live at once in the compiled schedule
+    (hlo.live_peak_bytes: inputs until their last reader, the input cotangent from where
+    it is made, weights and their gradients left out) is what it charges now."""
+    from remat_planner import hlo
+    from remat_planner.memory import vjp_wrt
+
+    f32 = jnp.float32
+    conv = functools.partial(jax.lax.conv_general_dilated, window_strides=(1, 1),
+                             padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def up_block(x, skip, w1, w2):
+        h = jnp.tanh(conv(jnp.concatenate([x, skip], axis=-1), w1))
+        return [jnp.tanh(conv(h, w2))]
+
+    cases = [
+        ("the loss head `sum(x)`, x 16 x 32", lambda x: [jnp.sum(x)],
+         [jax.ShapeDtypeStruct((16, 32), f32)], (0,)),
+        ("`tanh(x @ W)`, x 16 x 32, W 32 x 32", lambda x, w: [jnp.tanh(x @ w)],
+         [jax.ShapeDtypeStruct((16, 32), f32), jax.ShapeDtypeStruct((32, 32), f32)], (0,)),
+        ("a U-Net up block: two 3 x 3 convolutions (tanh) over the concatenation of "
+         "x and a skip, each 2 x 32 x 32 x 16", up_block,
+         [jax.ShapeDtypeStruct((2, 32, 32, 16), f32)] * 2
+         + [jax.ShapeDtypeStruct((3, 3, 32, 16), f32), jax.ShapeDtypeStruct((3, 3, 16, 16), f32)],
+         (0, 1)),
+    ]
+    out = []
+    for label, f, avals, acts in cases:
+        wrt = tuple(range(len(avals)))
+        ct = [jax.eval_shape(f, *avals)[0]]
+        both = jax.jit(lambda a, c, f=f, wrt=wrt: vjp_wrt(f, a, wrt)[1](c), keep_unused=True)
+        compiled = both.lower(avals, ct).compile(REMAT_OPTION)
+        nbytes = lambda a: a.size * a.dtype.itemsize  # noqa: E731
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        bounds = 2 * sum(nbytes(avals[i]) for i in acts) + nbytes(ct[0])
+        n = len(avals)
+        live = hlo.live_peak_bytes(compiled.as_text(), set(acts) | {n},
+                                   {k for k in wrt if k not in acts})
+        out.append(f"| {label} | {temp:,} | {bounds:,} | {temp + bounds:,} | {live:,} |")
+    return ["| stage, float32 | XLA temp, B | boundaries, B | temp + boundaries (charged "
+            "before), B | most live at once (charged now), B |", "|---|---|---|---|---|", *out]
+
+
 def main() -> None:
     print(f"jax {jax.__version__}, backend {jax.default_backend()}\n")
     for title, fact in (("1. The CPU compiler option", fact_cpu_option),
@@ -384,7 +434,9 @@ def main() -> None:
                         ("8. Dropout's random bits are generated ahead in the forward",
                          fact_dropout_bits_early),
                         ("9. Max pooling's gradient indices are made at the start of the step",
-                         fact_pooling_indices_early)):
+                         fact_pooling_indices_early),
+                        ("10. A stage's boundaries are not all live at its backward's peak",
+                         fact_boundaries_not_all_live)):
         print(f"## {title}\n")
         print("\n".join(fact()) + "\n", flush=True)
 

@@ -129,15 +129,21 @@ def test_every_plan_over_raises_with_xla_lowest_peak(plain):
 
 
 def test_budget_suggested_after_xla_measured_every_plan_over_fits(plain):
-    """The error above suggests a budget from XLA's lowest measured peak: planned there
-    (by the correct model, on a fresh analysis), the plan fits by XLA."""
+    """The error above suggests a budget from XLA's lowest measured peak: a new `rp.plan`
+    call there, as a user rerunning with that budget makes (the correct model, analysed
+    afresh), fits by XLA. Its analysis measured the plan checkpointing every stage for
+    the calibration (3,677,592 B), which the call may return. Without that measurement
+    (the analysis of the fixture with no plan measured) the correct model's most frugal
+    plan was 3,728,264 B by XLA, 0.2% over the 3.72 MB named: near its smallest budget
+    the model puts this model's plans 5-8% under XLA (scripts/model_error.py), so its
+    most frugal plan is not XLA's."""
     m, an = plain
     w = wrong(an, UNDER)
     with pytest.raises(rp.InfeasibleBudgetError) as info:
         _plan(m, w.min_feasible_budget(), w)
     suggested = _suggested(info.value)
     assert suggested >= info.value.min_feasible_bytes
-    p = _plan(m, suggested, fresh(an))
+    p = _plan(m, suggested, None)
     assert p.measured_peak_bytes <= suggested
 
 

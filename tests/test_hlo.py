@@ -83,3 +83,52 @@ def test_a_compiled_embedding_keeps_nothing_of_its_scatter_s_zeros():
     ct = jax.ShapeDtypeStruct((2, 48, 64), jnp.float32)
     text = both.lower([table, ids], [ct]).compile(measure_compiler_options()).as_text()
     assert hlo.kept_bytes(text, activation_params=set(), cotangent_params={2}) < 256 * 64 * 4
+
+
+# x (an activation), w (a weight), ct (the cotangent): the backward of y = x @ w read
+# with ct; dw is the weight's gradient, dx the input's. A = 4 x 8 x 4 bytes.
+LIVE = """HloModule m
+
+ENTRY %main (x: f32[4,8], w: f32[8,16], ct: f32[4,16]) -> (f32[8,16], f32[4,8]) {
+  %x = f32[4,8]{1,0} parameter(0)
+  %w = f32[8,16]{1,0} parameter(1)
+  %ct = f32[4,16]{1,0} parameter(2)
+  %c = f32[] constant(2)
+  %y = f32[4,16]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %g = f32[4,16]{1,0} multiply(%ct, %y)
+  %flat = f32[64]{0} bitcast(%g)
+  %dw = f32[8,16]{1,0} dot(%x, %g), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  %dx = f32[4,8]{1,0} dot(%flat, %w), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  ROOT %out = (f32[8,16]{1,0}, f32[4,8]{1,0}) tuple(%dw, %dx)
+}
+"""
+
+
+def test_live_peak_follows_the_schedule():
+    """Each buffer is live from the instruction that makes it (a parameter: the start) to
+    its last reader (through a bitcast), an output to the end; the instruction that reads
+    the last of some and makes another counts them all. Constants never count, the
+    weight (not counted) nor its gradient (an uncounted output) here."""
+    a = 4 * 8 * 4
+    # at %g: x (A), ct (2A), y (2A), g (2A); ct and y die there, x at %dw
+    assert hlo.live_peak_bytes(LIVE, counted_params={0, 2}, uncounted_outputs={0}) == 7 * a
+    # without the parameters: y and g at %g (4A); where the gradient counts, at %dx:
+    # g (2A, read there through its bitcast), dx (A) and dw (4A, an output: to the end)
+    assert hlo.live_peak_bytes(LIVE, counted_params=set(), uncounted_outputs={0}) == 4 * a
+    assert hlo.live_peak_bytes(LIVE, counted_params=set(), uncounted_outputs=set()) == 7 * a
+
+
+def test_a_compiled_head_does_not_hold_its_input_in_its_backward():
+    """The backward of a sum broadcasts the cotangent and never reads the input: compiled,
+    the most live at once is the scalar cotangent and the input's gradient, not the input
+    too (the sum of XLA's temp and the three boundaries, as the model counted before,
+    is one activation more)."""
+    x = jax.ShapeDtypeStruct((16, 32), jnp.float32)
+    f = lambda x: [jnp.sum(x)]  # noqa: E731
+    both = jax.jit(lambda a, ct: vjp_wrt(f, a, (0,))[1](ct), keep_unused=True)
+    compiled = both.lower([x], [jax.ShapeDtypeStruct((), jnp.float32)]).compile(
+        measure_compiler_options())
+    act = 16 * 32 * 4
+    assert compiled.memory_analysis().temp_size_in_bytes == 0
+    assert hlo.live_peak_bytes(compiled.as_text(), counted_params={0, 1},
+                               uncounted_outputs=set()) == act + 4
