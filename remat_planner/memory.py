@@ -927,14 +927,10 @@ def _xla_workspace(f, in_avals, ct_avals, wrt, activation_inputs: frozenset[int]
     weight_grads = {k for k, i in enumerate(wrt) if i not in activation_inputs}
     live = hlo.live_peak_bytes(text, set(activation_inputs) | set(range(n_in, n_in + n_ct)),
                                weight_grads)
-    io = (sum(_aval_bytes(in_avals[i]) for i in activation_inputs)
-          + sum(_aval_bytes(in_avals[i]) for i in wrt if i in activation_inputs)
-          + sum(_aval_bytes(c) for c in ct_avals))
+    io = (sum(nbytes(in_avals[i]) for i in activation_inputs)
+          + sum(nbytes(in_avals[i]) for i in wrt if i in activation_inputs)
+          + sum(nbytes(c) for c in ct_avals))
     return (min(forward_temp(), temp) if forward_alone else temp), live - io, kept
-
-
-def _aval_bytes(aval) -> int:
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
 def scaled_workspace(w: int, beta: float) -> int:

@@ -347,7 +347,6 @@ def _scaled(chain: ChainModel, alpha: float, beta: float) -> ChainModel:
     return dataclasses.replace(chain, stages=tuple(scaled(s) for s in chain.stages))
 
 
-
 def _fit_scale(f: Callable[[float], int], target: int, lo: float = 0.1, hi: float = 4.0) -> float:
     """Bisection for a scale s in [lo, hi] with f(s) ~= target (f non-decreasing)."""
     if f(lo) >= target:

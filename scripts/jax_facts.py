@@ -382,6 +382,7 @@ def fact_boundaries_not_all_live() -> list[str]:
     it is made, weights and their gradients left out) is what it charges now."""
     from remat_planner import hlo
     from remat_planner.memory import vjp_wrt
+    from remat_planner.trace import nbytes
 
     f32 = jnp.float32
     conv = functools.partial(jax.lax.conv_general_dilated, window_strides=(1, 1),
@@ -408,7 +409,6 @@ def fact_boundaries_not_all_live() -> list[str]:
         ct = [jax.eval_shape(f, *avals)[0]]
         both = jax.jit(lambda a, c, f=f, wrt=wrt: vjp_wrt(f, a, wrt)[1](c), keep_unused=True)
         compiled = both.lower(avals, ct).compile(REMAT_OPTION)
-        nbytes = lambda a: a.size * a.dtype.itemsize  # noqa: E731
         temp = compiled.memory_analysis().temp_size_in_bytes
         bounds = 2 * sum(nbytes(avals[i]) for i in acts) + nbytes(ct[0])
         n = len(avals)
