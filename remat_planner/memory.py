@@ -222,6 +222,56 @@ def with_gradient_timeline(chain: "ChainModel", timed: int,
     return dataclasses.replace(chain, grads_live=live)
 
 
+def carried_values(program: Program, cost: CostGraph) -> dict[int, tuple[int, int, int]]:
+    """Values computed in the step that cross a cut without being differentiated: masks,
+    position ids, rotary tables, RNG keys passed into every block, the output of a frozen
+    prefix. Per value id: (the stage defining it, the first stage reading it, its bytes).
+
+    XLA holds each as one buffer from its definition until the backward of the first
+    stage that reads it has run, whatever the plan: every later stage reads it in its
+    forward, and in its backward or its recomputation, which run before that one's
+    (docs/jax-facts.md, fact 11). Counted in the boundaries and in the keep of every
+    region it enters, a mask passed into n blocks would count n times."""
+    varying = varying_values(program)
+    skip = program.free | program.aux_outputs
+    stage_of = np.zeros(len(program.eqns), dtype=np.int64)
+    for k, st in enumerate(cost.stages):
+        stage_of[st.start:st.stop] = k
+    defined: dict[int, int] = {}
+    for i, e in enumerate(program.eqns):
+        for v in e.outvars:
+            if isinstance(v, int) and v not in varying and v not in skip:
+                defined[v] = int(stage_of[i])
+    first: dict[int, int] = {}
+    crosses: set[int] = set()
+    for v, uses in value_uses(program).items():
+        if v in defined and uses:
+            stages = {int(stage_of[i]) for i in uses if i < len(program.eqns)}
+            if not stages:
+                continue
+            first[v] = min(stages)
+            if max(stages) > defined[v]:
+                crosses.add(v)
+    return {v: (defined[v], first[v], program.nbytes(v)) for v in sorted(crosses)}
+
+
+def with_carried_values(chain: "ChainModel",
+                        carried: dict[int, tuple[int, int, int]]) -> "ChainModel":
+    """The chain with the `carried` values (carried_values) live where XLA holds them:
+    in the step's own forward from their stage on, in the backward until the first stage
+    reading them has run (ChainModel.carried_fwd, carried_bwd). The chain must have been
+    profiled without them (profile_stages' `carried`)."""
+    if not carried:
+        return chain
+    fwd = np.zeros(chain.n + 2, dtype=np.int64)
+    bwd = np.zeros(chain.n + 2, dtype=np.int64)
+    for d, f, b in carried.values():
+        fwd[d + 1] += b  # defined before every cut after its stage
+        bwd[f + 1] += b
+    return dataclasses.replace(chain, carried_fwd=tuple(int(x) for x in np.cumsum(fwd)[:chain.n + 1]),
+                               carried_bwd=tuple(int(x) for x in np.cumsum(bwd)[:chain.n + 1]))
+
+
 def random_bits_bytes(program: Program, eqn) -> int:
     """Bytes XLA holds for the random bits one equation generates (0 for any other): JAX's
     threefry makes `random_bits` from a pair of uint32 arrays of the output's shape and
@@ -402,6 +452,16 @@ class ChainModel:
     # runs: random bits (dropout masks' source, with_random_bits) and the index arrays of
     # poolings' gradients (with_pooling_indices). Empty: none.
     ahead_pending: tuple[int, ...] = ()
+    # Values that cross cuts without being differentiated (masks, position ids, rotary
+    # tables, a frozen prefix's output: carried_values), left out of the boundaries,
+    # the keeps and the workspaces: one buffer each, from its definition to the
+    # backward of the first stage that reads it (docs/jax-facts.md, fact 11).
+    # carried_fwd[k]: bytes of those defined before cut k (live in the step's own
+    # forward of a segment ending at cut k); carried_bwd[k]: of those whose first
+    # reader is before cut k (live in the backward or recomputation of a segment ending
+    # at cut k). Empty: none (with_carried_values).
+    carried_fwd: tuple[int, ...] = ()
+    carried_bwd: tuple[int, ...] = ()
 
     @property
     def n(self) -> int:
@@ -438,6 +498,13 @@ class ChainModel:
         """Bytes made ahead for stages k and later (random bits, pooling indices), live in
         the step's own forward before stage k runs: ahead_pending[k]."""
         return self.ahead_pending[k] if self.ahead_pending else 0
+
+    def carried_bytes(self, stop: int, top: bool) -> int:
+        """Bytes of the carried values (carried_fwd, carried_bwd) live while a segment
+        ending at cut `stop` runs: its forward in the step's own forward (`top`), else
+        its backward or its recomputation."""
+        table = self.carried_fwd if top else self.carried_bwd
+        return table[stop] if table else 0
 
     def region_input_bytes(self, a: int, b: int) -> int:
         """Bytes a checkpointed region over stages [a, b) keeps: the activations crossing
@@ -571,7 +638,8 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
                    progress: Callable[[str], None] | None = None,
                    pinned: frozenset[int] = frozenset(),
                    profiles: dict | None = None, xla_keeps: bool = True,
-                   forward_alone: bool = True) -> ChainModel:
+                   forward_alone: bool = True,
+                   carried: frozenset[int] = frozenset()) -> ChainModel:
     """Measure every stage's keep options, residual bytes and XLA workspace.
 
     With `measure_xla` and `xla_keeps`, a stored stage keeps what XLA keeps for its
@@ -586,19 +654,23 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
     `pinned` values (outputs of collectives in a sharded step, sharding.collective_outputs)
     are kept by every checkpoint option: recomputing them would repeat communication.
 
+    `carried` values (carried_values) are left out of the boundaries, the keeps and the
+    workspaces, as the weights are: with_carried_values then adds each once, where XLA
+    holds it.
+
     Identical stages (transformer blocks) are profiled once per call. `profiles`: a dict
     the caller keeps to reuse profiles across calls on the same program (one analysis
     per sharding scheme of one step: scripts/shard_report.py); its keys name the program
     (its fingerprint), so one dict may serve several programs. Without it nothing is
     kept between calls."""
     last, defs = last_uses(program), definitions(program)
-    free = program.free
+    free = program.free | carried
     varying = varying_values(program)
     if profiles is None:
         cache = _Profiles({}, "")
     else:
-        cache = _Profiles(profiles,
-                          f"{program.fingerprint()}|{measure_xla}|{xla_keeps}|{forward_alone}|")
+        cache = _Profiles(profiles, f"{program.fingerprint()}|{measure_xla}|{xla_keeps}|"
+                                    f"{forward_alone}|{bool(carried)}|")
     stages = []
     for k, st in enumerate(cost.stages):
         ins, outs = stage_io(program, st.start, st.stop, last, defs)
@@ -639,12 +711,26 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
         name = f"{cost.stages[a].name} .. {cost.stages[c - 1].name}"
         spans.append((a, c, StageProfile(name, flops, options, wf, wb, traffic)))
     boundary = [0] + [cost.boundary_bytes(k) for k in range(1, len(cost.stages))] + [0]
+    for k, b in enumerate(_carried_crossing(program, cost, carried, last, defs)):
+        boundary[k] -= b
     return ChainModel(tuple(stages), tuple(int(b) for b in boundary),
-                      cut_overlap(program, cost, last, defs),
-                      region_inputs(program, cost, boundary, last, defs), tuple(spans))
+                      cut_overlap(program, cost, last, defs, carried),
+                      region_inputs(program, cost, boundary, last, defs, carried), tuple(spans))
 
 
-def region_inputs(program: Program, cost: CostGraph, boundary, last=None, defs=None):
+def _carried_crossing(program: Program, cost: CostGraph, carried, last, defs) -> list[int]:
+    """Per cut k (0..n): the bytes of the `carried` values crossing it, as counted in
+    CostGraph.boundary_bytes."""
+    n = len(cost.stages)
+    out = [0] * (n + 1)
+    for k in range(1, n):
+        at = cost.stages[k - 1].stop
+        out[k] = sum(program.nbytes(v) for v in carried if defs[v] < at <= last.get(v, -1))
+    return out
+
+
+def region_inputs(program: Program, cost: CostGraph, boundary, last=None, defs=None,
+                  carried: frozenset[int] = frozenset()):
     """inputs[a][b]: bytes of the activations crossing cut a that stages [a, b) use; ()
     when that is always all of boundary[a] (every value crossing a cut is used by the
     next stage: a chain)."""
@@ -657,7 +743,7 @@ def region_inputs(program: Program, cost: CostGraph, boundary, last=None, defs=N
         stage_of[st.start:st.stop] = k
     stage_of[-1] = n
     first_use = value_uses(program)  # value -> sorted equations using it
-    skip = program.free | program.aux_outputs
+    skip = program.free | program.aux_outputs | carried
     table = np.zeros((n + 1, n + 1), dtype=np.int64)
     import bisect
     for v, uses in first_use.items():
@@ -674,7 +760,8 @@ def region_inputs(program: Program, cost: CostGraph, boundary, last=None, defs=N
     return tuple(tuple(int(x) for x in row) for row in table)
 
 
-def cut_overlap(program: Program, cost: CostGraph, last=None, defs=None):
+def cut_overlap(program: Program, cost: CostGraph, last=None, defs=None,
+                carried: frozenset[int] = frozenset()):
     """overlap[a][b]: bytes of the activations crossing both cut a and cut b (cut k is the
     start of stage k), as counted in the boundaries; () when no value crosses two cuts."""
     last = last_uses(program) if last is None else last
@@ -682,7 +769,7 @@ def cut_overlap(program: Program, cost: CostGraph, last=None, defs=None):
     n = len(cost.stages)
     starts = np.asarray([s.start for s in cost.stages[1:]], dtype=np.int64)  # cuts 1..n-1
     table = np.zeros((n + 1, n + 1), dtype=np.int64)
-    skip = program.free | program.aux_outputs
+    skip = program.free | program.aux_outputs | carried
     for v, used in last.items():
         if v in skip or used <= defs[v]:
             continue
@@ -732,7 +819,8 @@ def _value_mapping(program: Program, ref, start: int, stop: int) -> dict[int, in
 
 def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned=frozenset(),
                  xla_keeps=True, forward_alone=True):
-    fn_outs = [v for v in outs if _is_float(program.avals[v])]
+    # outputs in `free` (carried values) are not differentiated: no cotangent
+    fn_outs = [v for v in outs if _is_float(program.avals[v]) and v not in free]
     in_avals = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype) for v in ins]
     ct_avals = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype)
                 for v in fn_outs]
@@ -996,16 +1084,19 @@ def forward_need(chain: ChainModel, fwd_peak: int, stop: int, top: bool) -> int:
     the stages from the segment's end on use and XLA made ahead (random bits, pooling
     indices) does (ChainModel.ahead_bytes_pending); in a recomputation during the
     backward, the gradients of the stages from the segment's end on do (ChainModel.gradients_at, an
-    upper bound: those of its region's later stages do not yet)."""
+    upper bound: those of its region's later stages do not yet). The carried values
+    live by then (ChainModel.carried_bytes) in both."""
+    carried = chain.carried_bytes(stop, top)
     if top:
-        return fwd_peak + chain.ahead_bytes_pending(stop)
-    return fwd_peak + chain.gradients_at(stop)
+        return fwd_peak + chain.ahead_bytes_pending(stop) + carried
+    return fwd_peak + chain.gradients_at(stop) + carried
 
 
-def backward_need(chain: ChainModel, bwd_peak: int, start: int) -> int:
-    """What a leaf's backward peak (leaf_bwd_peak) over stages from `start` adds to what is
-    live: the gradients computed by then with it (ChainModel.gradients_at)."""
-    return bwd_peak + chain.gradients_at(start)
+def backward_need(chain: ChainModel, bwd_peak: int, start: int, stop: int) -> int:
+    """What the backward peak (leaf_bwd_peak) of a leaf over stages [start, stop) adds to
+    what is live: the gradients computed by then with it (ChainModel.gradients_at), and
+    the carried values its stages or earlier ones read (ChainModel.carried_bytes)."""
+    return bwd_peak + chain.gradients_at(start) + chain.carried_bytes(stop, top=False)
 
 
 def leaf_fwd_peak(chain: ChainModel, i: int, option: KeepOption, stop: int | None = None,
@@ -1172,7 +1263,7 @@ def run_chain(chain, segments, live: int, inside_region: bool, events=None,
             opt = chain.leaf_profile(seg.start, seg.stop).option(seg.option)
             step = before + backward_need(
                 chain, leaf_bwd_peak(chain, seg.start, opt, seg.stop, top=not inside_region),
-                seg.start)
+                seg.start, seg.stop)
             peak = max(peak, step)
             if events is not None:
                 events.append(TimelinePoint("backward", seg.start, seg.stop, step, before))

@@ -25,11 +25,11 @@ from .options import ScanPart, ScanScheme, Store
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph, build_cost_graph
 from .graph import jaxpr_bytes, jaxpr_flops
-from .memory import (ChainModel, FixedMemory, StageProfile, fixed_memory, per_parameter_update,
-                     profile_stages, scale_chain, scaled_workspace, simulate,
-                     stage_gradient_bytes, with_gradient_timeline, with_pooling_indices,
-                     with_random_bits, weighted_chain, with_gathered_weights,
-                     with_stage_gradients)
+from .memory import (ChainModel, FixedMemory, StageProfile, carried_values, fixed_memory,
+                     per_parameter_update, profile_stages, scale_chain, scaled_workspace,
+                     simulate, stage_gradient_bytes, with_carried_values,
+                     with_gradient_timeline, with_pooling_indices, with_random_bits,
+                     weighted_chain, with_gathered_weights, with_stage_gradients)
 from .sharding import (ShardingSpec, batch_share, check_devices, collective_outputs,
                        gathered_bytes, rebuilds_scan, with_unpaired, with_unpaired_kernels)
 from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Plan, ScanOption, Segment,
@@ -177,8 +177,13 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
     if scanned is not None:  # the layers are one scan: a stage whose options are scan schemes
         cost, chain = scanned.cost, scanned.chain
     else:
+        # values crossing cuts undifferentiated (masks, position ids): one buffer each,
+        # charged along the step, not per region (docs/jax-facts.md, fact 11); a sharded
+        # step keeps them in its boundaries (one device's share, scale_chain)
+        carried = carried_values(program, cost) if spec is None else {}
         chain = profile_stages(program, cost, measure_xla=measure_xla, progress=say,
-                               pinned=pinned, profiles=profiles)
+                               pinned=pinned, profiles=profiles, carried=frozenset(carried))
+        chain = with_carried_values(chain, carried)
         if spec is not None:  # one device's share of the batch (calibration fits the rest)
             chain = scale_chain(chain, batch_share(spec))
             chain = with_gathered_weights(chain, program, cost,

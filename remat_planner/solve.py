@@ -53,8 +53,10 @@ class ChainSolver:
         self.x = [u(b) for b in chain.boundary]
         # whether the forward's and the recomputations' needs differ (memory.forward_need):
         # gradients live in a recomputation; random bits and pooling indices made
-        # ahead in the forward, which a region keeps for its recomputation
-        self.top_differs = any(chain.grads_live) or any(chain.ahead_pending)
+        # ahead in the forward, which a region keeps for its recomputation; carried
+        # values (masks) made in the forward, dead in the backward once read
+        self.top_differs = (any(chain.grads_live) or any(chain.ahead_pending)
+                            or chain.carried_fwd != chain.carried_bwd)
         # per stage a: (stop, option, keep, need, cost) of the leaves starting at a: the
         # stage's own options, then those of the spans (whole block copies) from a. The
         # need is the leaf's peak above what is live before it: its forward's and its
@@ -67,7 +69,7 @@ class ChainSolver:
             profiles = [(i + 1, chain.stages[i]), *chain.spans_from(i)]
             return [(c, o, u(o.keep_bytes),
                      max(u(forward_need(chain, leaf_fwd_peak(chain, i, o, c, top), c, top)),
-                         u(backward_need(chain, leaf_bwd_peak(chain, i, o, c, top), i))),
+                         u(backward_need(chain, leaf_bwd_peak(chain, i, o, c, top), i, c))),
                      o.recompute_flops) for c, p in profiles for o in p.options]
 
         top_leaves = [leaves(i, True) for i in range(n)]

@@ -371,3 +371,63 @@ def test_pooling_indices_are_held_from_the_start_to_the_argmax(monkeypatch):
     without = rp.analyze(loss, params, batch, optimizer, calibrate=False)
     assert without.chain.n == n
     assert predict(without) / xla - 1 < -0.35, (predict(without), xla)
+
+
+def _masked_blocks(n_blocks: int = 4, batch: int = 4, seq: int = 256, d: int = 64):
+    """Plain JAX, no modules: blocks `h + tanh(((h @ h^T) * m) @ h @ w)`, each reading one
+    causal mask m (batch x seq x seq float32, 1 MiB) made from the token ids, with no
+    gradient: four times a block's input (batch x seq x d, 256 KiB). As
+    docs/jax-facts.md, fact 11, measures."""
+    def block(w, h, m):
+        s = jnp.einsum("btd,bsd->bts", h, h) * m
+        return h + jnp.tanh(jnp.einsum("bts,bsd->btd", s, h) @ w)
+
+    def loss(params, x, tokens):
+        m = (tokens[:, None, :] <= tokens[:, :, None]).astype(f32)
+        h = x
+        for i in range(n_blocks):
+            h = block(params[f"w{i}"], h, m)
+        return jnp.mean(h ** 2)
+
+    params = {f"w{i}": jax.ShapeDtypeStruct((d, d), f32) for i in range(n_blocks)}
+    batch = (jax.ShapeDtypeStruct((batch, seq, d), f32),
+             jax.ShapeDtypeStruct((batch, seq), jnp.int32))
+    return loss, params, batch
+
+
+def test_a_mask_passed_into_every_block_is_one_buffer(monkeypatch):
+    """A value that crosses cuts without a gradient (a mask, position ids) is one buffer,
+    live from where it is made to the backward of the first stage reading it, whatever
+    the plan (docs/jax-facts.md, fact 11; memory.carried_values). Counted in every cut's
+    boundary and in every checkpoint's keep, as before, the mask counted once per block:
+    the uncalibrated model put each block checkpointed under `nothing` at +95.3% of XLA
+    (9,129,988 B against 4,674,008 B); charged once, at +5.6% (what is left is the
+    attention-like products' workspace, measured with their buffers unshared)."""
+    import remat_planner as rp
+    from remat_planner import planner as planner_module
+    from remat_planner.memory import carried_values
+    from remat_planner.planner import per_block_plans, plan_from_segments
+    from remat_planner.verify import measure_step
+
+    loss, params, batch = _masked_blocks()
+    mask, x = 4 * 256 * 256 * 4, 4 * 256 * 64 * 4
+    an = rp.analyze(loss, params, batch, optax.adamw(1e-3), calibrate=False)
+    # made by the first stage (no weights), read first by the first block
+    assert list(carried_values(an.program, an.cost).values()) == [(0, 1, mask)]
+    n = an.chain.n
+    assert an.chain.boundary[2:n] == (x,) * (n - 2)  # a block's input alone crosses each cut
+    assert an.chain.carried_fwd == (0,) + (mask,) * n
+    assert an.chain.carried_bwd == (0, 0) + (mask,) * (n - 1)
+    for s in an.chain.stages[2:n - 1]:  # a block under `nothing` keeps its input alone
+        assert s.option(NOTHING).keep_bytes == x  # (the first block's is the batch's x)
+    nothing_per_block = per_block_plans(an)[0]
+    xla = measure_step(an.step.planned(plan_from_segments(an, nothing_per_block, 0, 0, params,
+                                                          batch)), params, batch).peak_bytes
+    predicted = an.predicted_peak(simulate(an.chain, nothing_per_block)[0])
+    assert abs(predicted / xla - 1) <= 0.06, (predicted, xla)
+    # the mask in every boundary and keep instead
+    monkeypatch.setattr(planner_module, "carried_values", lambda program, cost: {})
+    per_region = rp.analyze(loss, params, batch, optax.adamw(1e-3), calibrate=False)
+    assert per_region.chain.boundary[2:n - 1] == (x + mask,) * (n - 3)  # not into the loss
+    over = per_region.predicted_peak(simulate(per_region.chain, nothing_per_block)[0])
+    assert over / xla - 1 > 0.5, (over, xla)
