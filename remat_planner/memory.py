@@ -1044,7 +1044,9 @@ def scale_chain(chain: ChainModel, f: float) -> ChainModel:
                                           bwd_temp_bytes=sc(s.bwd_temp_bytes)))
     table = lambda t: tuple(tuple(sc(x) for x in row) for row in t)
     return ChainModel(tuple(stages), tuple(sc(b) for b in chain.boundary),
-                      table(chain.overlap), table(chain.inputs))
+                      table(chain.overlap), table(chain.inputs),
+                      carried_fwd=tuple(sc(b) for b in chain.carried_fwd),
+                      carried_bwd=tuple(sc(b) for b in chain.carried_bwd))
 
 
 def with_gathered_weights(chain: ChainModel, program: Program, cost: CostGraph,
