@@ -242,17 +242,11 @@ def carried_values(program: Program, cost: CostGraph) -> dict[int, tuple[int, in
         for v in e.outvars:
             if isinstance(v, int) and v not in varying and v not in skip:
                 defined[v] = int(stage_of[i])
-    first: dict[int, int] = {}
-    crosses: set[int] = set()
-    for v, uses in value_uses(program).items():
-        if v in defined and uses:
-            stages = {int(stage_of[i]) for i in uses if i < len(program.eqns)}
-            if not stages:
-                continue
-            first[v] = min(stages)
-            if max(stages) > defined[v]:
-                crosses.add(v)
-    return {v: (defined[v], first[v], program.nbytes(v)) for v in sorted(crosses)}
+    out = {}
+    for v, uses in sorted(value_uses(program).items()):  # equations reading v, in order
+        if v in defined and int(stage_of[uses[-1]]) > defined[v]:
+            out[v] = (defined[v], int(stage_of[uses[0]]), program.nbytes(v))
+    return out
 
 
 def with_carried_values(chain: "ChainModel",
@@ -263,13 +257,12 @@ def with_carried_values(chain: "ChainModel",
     profiled without them (profile_stages' `carried`)."""
     if not carried:
         return chain
-    fwd = np.zeros(chain.n + 2, dtype=np.int64)
-    bwd = np.zeros(chain.n + 2, dtype=np.int64)
-    for d, f, b in carried.values():
-        fwd[d + 1] += b  # defined before every cut after its stage
-        bwd[f + 1] += b
-    return dataclasses.replace(chain, carried_fwd=tuple(int(x) for x in np.cumsum(fwd)[:chain.n + 1]),
-                               carried_bwd=tuple(int(x) for x in np.cumsum(bwd)[:chain.n + 1]))
+    def before_cut(stage_of_value: int) -> tuple[int, ...]:
+        # per cut k, the bytes of the values whose given stage is before it
+        return tuple(sum(b for *stages, b in carried.values() if stages[stage_of_value] < k)
+                     for k in range(chain.n + 1))
+
+    return dataclasses.replace(chain, carried_fwd=before_cut(0), carried_bwd=before_cut(1))
 
 
 def random_bits_bytes(program: Program, eqn) -> int:
