@@ -265,6 +265,49 @@ def with_carried_values(chain: "ChainModel",
     return dataclasses.replace(chain, carried_fwd=before_cut(0), carried_bwd=before_cut(1))
 
 
+def table_gradient_bytes(program: Program, cost: CostGraph) -> tuple[int, ...]:
+    """Per stage: bytes of the gradients of the tables only it reads, and only by gathers
+    (embedding lookups: `table[tokens]`, `jnp.take`). The transpose of a gather is a
+    scatter-add into zeros of the table's shape; the zeros depend on nothing, XLA's CPU
+    scheduler makes them at the start of the step, and the scatter writes the gradient
+    into them in the stage's backward, so the buffer lives from the step's start
+    (docs/jax-facts.md, fact 12). A table read otherwise too (the output head of tied
+    embeddings) gets its gradient added onto that use's: no zeros are made for it."""
+    params = program.invars[:program.n_param_leaves]
+    readers: dict[int, set[int]] = {v: set() for v in params if _is_float(program.avals[v])}
+    gathered_only = set(readers)
+    for k, st in enumerate(cost.stages):
+        for e in program.eqns[st.start:st.stop]:
+            for j, v in enumerate(e.invars):
+                if isinstance(v, int) and v in readers:
+                    readers[v].add(k)
+                    if e.name != "gather" or j != 0:
+                        gathered_only.discard(v)
+    out = [0] * len(cost.stages)
+    for v in gathered_only:
+        if len(readers[v]) == 1:
+            out[next(iter(readers[v]))] += program.nbytes(v)
+    return tuple(out)
+
+
+def with_table_gradients(chain: "ChainModel", per_stage: Sequence[int]) -> "ChainModel":
+    """The chain with the zero buffers of the tables' gradients (table_gradient_bytes) live
+    where XLA holds them: made at the step's start and held, as each table's gradient,
+    through the backward of the stage gathering from it. Charged as carried values
+    (ChainModel.carried_fwd, carried_bwd) made before the first stage and read by that
+    stage's backward; the stage's own gradients (with_stage_gradients) must leave them
+    out."""
+    if not any(per_stage):
+        return chain
+    n = chain.n
+    fwd = chain.carried_fwd or (0,) * (n + 1)
+    bwd = chain.carried_bwd or (0,) * (n + 1)
+    total = sum(per_stage)
+    return dataclasses.replace(
+        chain, carried_fwd=tuple(int(f + (total if k > 0 else 0)) for k, f in enumerate(fwd)),
+        carried_bwd=tuple(int(b + sum(per_stage[:k])) for k, b in enumerate(bwd)))
+
+
 def random_bits_bytes(program: Program, eqn) -> int:
     """Bytes XLA holds for the random bits one equation generates (0 for any other): JAX's
     threefry makes `random_bits` from a pair of uint32 arrays of the output's shape and

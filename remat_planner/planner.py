@@ -27,9 +27,10 @@ from .graph import CostGraph, build_cost_graph
 from .graph import jaxpr_bytes, jaxpr_flops
 from .memory import (ChainModel, FixedMemory, StageProfile, carried_values, fixed_memory,
                      per_parameter_update, profile_stages, scale_chain, scaled_workspace,
-                     simulate, stage_gradient_bytes, with_carried_values,
+                     simulate, stage_gradient_bytes, table_gradient_bytes, with_carried_values,
                      with_gradient_timeline, with_pooling_indices, with_random_bits,
-                     weighted_chain, with_gathered_weights, with_stage_gradients)
+                     weighted_chain, with_gathered_weights, with_stage_gradients,
+                     with_table_gradients)
 from .sharding import (ShardingSpec, batch_share, check_devices, collective_outputs,
                        gathered_bytes, rebuilds_scan, with_unpaired, with_unpaired_kernels)
 from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, STORE, Plan, ScanOption, Segment,
@@ -198,7 +199,10 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
         own = stage_gradient_bytes(program, cost)
         held = None
         if per_parameter_update(optimizer, params):
-            chain = with_stage_gradients(chain, own)
+            # a gathered table's gradient is charged from the step's start instead
+            # (with_table_gradients below)
+            tables = table_gradient_bytes(program, cost) if spec is None else (0,) * len(own)
+            chain = with_stage_gradients(chain, [o - t for o, t in zip(own, tables)])
             fixed = dataclasses.replace(fixed, staged_grads_bytes=sum(own))
         else:
             held = own
@@ -210,6 +214,9 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
         # poolings' gradients (docs/jax-facts.md, facts 8 and 9)
         chain = with_random_bits(chain, program, cost)
         chain = with_pooling_indices(chain, program, cost)
+        if optimizer is not None:
+            # the zeros a gathered table's gradient is scattered into (fact 12)
+            chain = with_table_gradients(chain, table_gradient_bytes(program, cost))
     if scanned is not None:
         scanned = dataclasses.replace(scanned, chain=chain)
     store_all = [Segment(i, i + 1, STORE) for i in range(chain.n)]

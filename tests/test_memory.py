@@ -431,3 +431,63 @@ def test_a_mask_passed_into_every_block_is_one_buffer(monkeypatch):
     assert per_region.chain.boundary[2:n - 1] == (x + mask,) * (n - 3)  # not into the loss
     over = per_region.predicted_peak(simulate(per_region.chain, nothing_per_block)[0])
     assert over / xla - 1 > 0.5, (over, xla)
+
+
+def _embedded_blocks(tied: bool, vocab: int = 4096, d: int = 64, batch: int = 4,
+                     seq: int = 256, n_blocks: int = 4):
+    """Plain JAX: an embedding table (4096 x 64, 1 MiB) read by a gather, blocks
+    `h + tanh(h @ w)` (a block's input 256 KiB), and a 16-way head: its own weights, or
+    the table itself (tied) read through a slice of it."""
+    def loss(params, tokens, targets):
+        h = params["emb"][tokens]
+        for i in range(n_blocks):
+            h = h + jnp.tanh(h @ params[f"w{i}"])
+        head = params["emb"][:16].T if tied else params["head"]
+        logp = jax.nn.log_softmax(h @ head)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    params = {"emb": jax.ShapeDtypeStruct((vocab, d), f32),
+              **{f"w{i}": jax.ShapeDtypeStruct((d, d), f32) for i in range(n_blocks)}}
+    if not tied:
+        params["head"] = jax.ShapeDtypeStruct((d, 16), f32)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    return loss, params, (tokens, tokens)
+
+
+def test_a_gathered_table_s_gradient_lives_from_the_step_s_start(monkeypatch):
+    """The gradient of a table read only by a gather (an embedding) is a scatter-add into
+    zeros that XLA makes at the start of the step (docs/jax-facts.md, fact 12): the
+    chain charges the table's bytes from the start to the gather's backward, not with
+    that stage's own gradients. Each block checkpointed, `nothing` saved: XLA 6,529,536
+    B; the model 6,529,028 B (-0.01%), and 5,726,212 B (-12.3%) with the table's
+    gradient in the gather's backward only. A table read otherwise too (tied) is not
+    charged so."""
+    import remat_planner as rp
+    from remat_planner import planner as planner_module
+    from remat_planner.memory import table_gradient_bytes
+    from remat_planner.planner import per_block_plans, plan_from_segments
+    from remat_planner.verify import measure_step
+
+    table = 4096 * 64 * 4
+    loss, params, batch = _embedded_blocks(tied=False)
+    an = rp.analyze(loss, params, batch, optax.adamw(1e-3), calibrate=False)
+    n = an.chain.n
+    assert table_gradient_bytes(an.program, an.cost) == (table,) + (0,) * (n - 1)
+    assert an.chain.carried_fwd == (0,) + (table,) * n  # made before the first stage
+    assert an.chain.carried_bwd == (0,) + (table,) * n  # until the gather's backward
+    assert an.chain.stages[0].grad_bytes == 0  # not again with the stage's own
+    nothing_per_block = per_block_plans(an)[0]
+    xla = measure_step(an.step.planned(plan_from_segments(an, nothing_per_block, 0, 0, params,
+                                                          batch)), params, batch).peak_bytes
+    predicted = an.predicted_peak(simulate(an.chain, nothing_per_block)[0])
+    assert abs(predicted / xla - 1) <= 0.01, (predicted, xla)
+    monkeypatch.setattr(planner_module, "table_gradient_bytes",
+                        lambda program, cost: (0,) * len(cost.stages))
+    late = rp.analyze(loss, params, batch, optax.adamw(1e-3), calibrate=False)
+    under = late.predicted_peak(simulate(late.chain, nothing_per_block)[0])
+    assert xla - under >= 0.7 * table, (under, xla)
+    monkeypatch.undo()
+    loss, params, batch = _embedded_blocks(tied=True)
+    tied = rp.analyze(loss, params, batch, optax.adamw(1e-3), measure_xla=False,
+                      calibrate=False)
+    assert not any(table_gradient_bytes(tied.program, tied.cost))
