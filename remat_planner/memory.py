@@ -675,7 +675,8 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
                    pinned: frozenset[int] = frozenset(),
                    profiles: dict | None = None, xla_keeps: bool = True,
                    forward_alone: bool = True,
-                   carried: frozenset[int] = frozenset()) -> ChainModel:
+                   carried: frozenset[int] = frozenset(),
+                   returns_loss: bool = True) -> ChainModel:
     """Measure every stage's keep options, residual bytes and XLA workspace.
 
     With `measure_xla` and `xla_keeps`, a stored stage keeps what XLA keeps for its
@@ -694,6 +695,9 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
     workspaces, as the weights are: with_carried_values then adds each once, where XLA
     holds it.
 
+    With `returns_loss` (a step's program, not a scan body's) the stage making the loss
+    is profiled returning it, as the step returns it (_xla_workspace's `returned`).
+
     Identical stages (transformer blocks) are profiled once per call. `profiles`: a dict
     the caller keeps to reuse profiles across calls on the same program (one analysis
     per sharding scheme of one step: scripts/shard_report.py); its keys name the program
@@ -702,11 +706,13 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
     last, defs = last_uses(program), definitions(program)
     free = program.free | carried
     varying = varying_values(program)
+    loss = program.outvars[0] if program.outvars else None
+    returned = frozenset({loss}) if returns_loss and isinstance(loss, int) else frozenset()
     if profiles is None:
         cache = _Profiles({}, "")
     else:
         cache = _Profiles(profiles, f"{program.fingerprint()}|{measure_xla}|{xla_keeps}|"
-                                    f"{forward_alone}|{bool(carried)}|")
+                                    f"{forward_alone}|{bool(carried)}|{bool(returned)}|")
     stages = []
     for k, st in enumerate(cost.stages):
         ins, outs = stage_io(program, st.start, st.stop, last, defs)
@@ -719,7 +725,7 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
             if progress:
                 progress(f"profiling stage {k + 1}/{len(cost.stages)} {st.name}")
             cache[key] = _profile_one(program, st.start, st.stop, ins, outs, free, wrt, measure_xla,
-                                      pinned, xla_keeps, forward_alone)
+                                      pinned, xla_keeps, forward_alone, returned)
         opts_local, wf, wb, local_names = cache[key]
         # Saved value ids are local to the first stage with this structure: map them over.
         mapping = _value_mapping(program, local_names, st.start, st.stop)
@@ -854,9 +860,10 @@ def _value_mapping(program: Program, ref, start: int, stop: int) -> dict[int, in
 
 
 def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned=frozenset(),
-                 xla_keeps=True, forward_alone=True):
+                 xla_keeps=True, forward_alone=True, returned=frozenset()):
     # outputs in `free` (carried values) are not differentiated: no cotangent
     fn_outs = [v for v in outs if _is_float(program.avals[v]) and v not in free]
+    step_outputs = tuple(i for i, v in enumerate(fn_outs) if v in returned)
     in_avals = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype) for v in ins]
     ct_avals = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype)
                 for v in fn_outs]
@@ -897,7 +904,7 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned
     wf = wb = 0
     if measure_xla and fn_outs:
         wf, wb, xla_kept = _xla_workspace(base, in_avals, ct_avals, wrt, frozenset(act_inputs),
-                                          forward_alone)
+                                          forward_alone, step_outputs)
         if xla_kept is not None and xla_keeps and any(c.shape for c in ct_avals):
             # A stored stage keeps what XLA's fusion keeps, not JAX's residual list
             # (hlo.py; docs/jax-facts.md, fact 7). The checkpoint options keep the
@@ -1015,7 +1022,8 @@ def vjp_wrt(f, args, wrt):
 
 
 def _xla_workspace(f, in_avals, ct_avals, wrt, activation_inputs: frozenset[int] = frozenset(),
-                   forward_alone: bool = True) -> tuple[int, int, int | None]:
+                   forward_alone: bool = True,
+                   returned: tuple[int, ...] = ()) -> tuple[int, int, int | None]:
     """A stage's forward and backward workspaces, and the bytes XLA keeps from its
     forward for its backward (hlo.kept_bytes; None without a backward).
 
@@ -1033,7 +1041,10 @@ def _xla_workspace(f, in_avals, ct_avals, wrt, activation_inputs: frozenset[int]
     backward: its forward alone is compiled. `activation_inputs`: positions in
     `in_avals` of the activations (the rest are weights, batch and constants, live
     anyway). Without `forward_alone` the forward's is the forward+backward compile's
-    temp, and the forward is not compiled alone (profile_stages)."""
+    temp, and the forward is not compiled alone (profile_stages). `returned`: positions
+    of f's outputs the step returns (the loss): that compile returns them too, as the
+    step does, and XLA computes them after the backward, holding what they read
+    (docs/jax-facts.md, fact 13)."""
     def forward_temp() -> int:
         fwd = jax.jit(f).lower(*in_avals).compile(measure_compiler_options())
         return int(fwd.memory_analysis().temp_size_in_bytes)
@@ -1042,7 +1053,12 @@ def _xla_workspace(f, in_avals, ct_avals, wrt, activation_inputs: frozenset[int]
         temp = forward_temp()
         return temp, temp, None
     # every argument kept, so that entry parameter k of the HLO is argument k
-    both = jax.jit(lambda a, ct: vjp_wrt(f, a, wrt)[1](ct), keep_unused=True)
+    # (the returned outputs after the cotangents: output k is input cotangent k)
+    def fwd_bwd(a, ct):
+        out, vjp = vjp_wrt(f, a, wrt)
+        return (*vjp(ct), *(out[i] for i in returned))
+
+    both = jax.jit(fwd_bwd, keep_unused=True)
     compiled = both.lower(in_avals, ct_avals).compile(measure_compiler_options())
     n_in, n_ct = len(in_avals), len(ct_avals)
     text = compiled.as_text()
@@ -1053,7 +1069,7 @@ def _xla_workspace(f, in_avals, ct_avals, wrt, activation_inputs: frozenset[int]
                                weight_grads)
     io = (sum(nbytes(in_avals[i]) for i in activation_inputs)
           + sum(nbytes(in_avals[i]) for i in wrt if i in activation_inputs)
-          + sum(nbytes(c) for c in ct_avals))
+          + sum(nbytes(c) for c in ct_avals) + sum(nbytes(ct_avals[i]) for i in returned))
     return (min(forward_temp(), temp) if forward_alone else temp), live - io, kept
 
 

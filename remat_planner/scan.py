@@ -239,7 +239,7 @@ def body_chain(body: Body, *, measure_xla: bool = True, profiles: dict | None = 
     (memory.profile_stages' `forward_alone`)."""
     program = body.program
     chain = profile_stages(program, body.cost, measure_xla=measure_xla, profiles=profiles,
-                           xla_keeps=False, forward_alone=False)
+                           xla_keeps=False, forward_alone=False, returns_loss=False)
     carry = program.invars[body.num_consts:body.num_consts + body.num_carry]
     consts_xs = program.free
     boundary = list(chain.boundary)
@@ -269,7 +269,7 @@ def whole_body_chain(body: Body, *, measure_xla: bool = True,
                                                        body.cost.total_flops,
                                                        stage_bytes(body.cost.graph, 0, n)),))
     chain = profile_stages(program, one, measure_xla=measure_xla, profiles=profiles,
-                           xla_keeps=False)
+                           xla_keeps=False, returns_loss=False)
     carry = program.invars[body.num_consts:body.num_consts + body.num_carry]
     out = sum(program.nbytes(v) for v in program.outvars if isinstance(v, int))
     return ChainModel(chain.stages, (sum(program.nbytes(v) for v in carry), int(out)))

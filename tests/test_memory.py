@@ -491,3 +491,33 @@ def test_a_gathered_table_s_gradient_lives_from_the_step_s_start(monkeypatch):
     tied = rp.analyze(loss, params, batch, optax.adamw(1e-3), measure_xla=False,
                       calibrate=False)
     assert not any(table_gradient_bytes(tied.program, tied.cost))
+
+
+def test_the_loss_stage_is_profiled_returning_the_loss():
+    """The step returns the loss, and XLA computes it after the head's backward, holding
+    what it reads: one more logits-sized buffer than the head's forward and backward
+    without it (docs/jax-facts.md, fact 13). The stage making the loss is profiled
+    returning it: its backward workspace grows by about the logits (4 x 256 x 4096,
+    16 MiB); no other stage's changes."""
+    from remat_planner.memory import profile_stages
+
+    vocab, logits = 4096, 4 * 256 * 4096 * 4
+
+    def loss(params, tokens, targets):
+        h = jnp.tanh(params["emb"][tokens] @ params["w"])
+        logp = jax.nn.log_softmax(h @ params["head"])
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    params = {"emb": jax.ShapeDtypeStruct((vocab, 64), f32),
+              "w": jax.ShapeDtypeStruct((64, 64), f32),
+              "head": jax.ShapeDtypeStruct((64, vocab), f32)}
+    tokens = jax.ShapeDtypeStruct((4, 256), jnp.int32)
+    program = trace(loss, params, tokens, tokens)
+    cost = build_cost_graph(program)
+    held = profile_stages(program, cost)
+    alone = profile_stages(program, cost, returns_loss=False)
+    last = len(cost.stages) - 1
+    grown = held.stages[last].bwd_temp_bytes - alone.stages[last].bwd_temp_bytes
+    assert 0.95 * logits <= grown <= 1.05 * logits, (grown, logits)
+    assert ([s.bwd_temp_bytes for s in held.stages[:last]]
+            == [s.bwd_temp_bytes for s in alone.stages[:last]])
