@@ -84,7 +84,8 @@ def stage_label(name: str, program=None, is_last: bool = False,
     """A stage's name for people. Module paths read as `GPT2/h_0 (ln_1, attn)`; code
     outside any Flax module (named `eqns[a:b]` by the planner) is named by what it
     computes, given the traced program: the last stage, which returns the scalar, is
-    `loss (softmax cross-entropy)`, others `code outside any module: reduce_sum, log`."""
+    `loss (softmax cross-entropy)`, others `code outside any module: reduce_sum, log`.
+    A named last stage holds the loss too: `GPT2 (ln_f, wte.attend) + loss (...)`."""
     m = _UNNAMED.match(name)
     if m is None:
         label = pretty_stage_name(name)
@@ -93,6 +94,8 @@ def stage_label(name: str, program=None, is_last: bool = False,
             tail = [e.name for e in program.eqns[span[0]:span[1]] if not e.module_path.strip("/")]
             if tail:
                 label += f" + loss ({_computes(tail)})"
+        elif program is None and is_last:
+            label += " + loss"  # the last stage makes the loss (graph.merge_loss_tail)
         return label
     lo, hi = int(m.group(1)), int(m.group(2))
     if program is None:

@@ -248,7 +248,9 @@ def memory_figure(an: Analysis, plan: Plan, units=None):
     units = units or DEFAULT_UNITS
 
     def name(i: int) -> str:
-        return stage_label(plan.stages[i].name, an.program)
+        st = plan.stages[i]
+        return stage_label(st.name, an.program, is_last=i == len(plan.stages) - 1,
+                           span=(st.start, st.stop))
 
     base = an.fixed.total + an.calibration_bytes
     store_all = [Segment(i, i + 1, STORE) for i in range(an.chain.n)]

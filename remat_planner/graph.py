@@ -690,12 +690,31 @@ def _stages_and_blocks(program: Program, graph: nx.DiGraph, max_stages: int):
     cuts = _limit_cuts(exact, block_cuts, protected, others, crossing, n, max_stages - 1)
     cuts = _merge_trivial(cuts, flops, n, frozenset(protected))
     cuts = drop_split_readers(program, cuts, counted, frozenset(protected))
+    cuts = merge_loss_tail(cuts, crossing, frozenset(protected))
     bounds = [0, *cuts, n]
     stages = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         stages.append(Stage(lo, hi, stage_name(program, lo, hi), float(sum(flops[lo:hi])),
                             stage_bytes(graph, lo, hi)))
     return tuple(stages), groups
+
+
+def merge_loss_tail(cuts: list[int], crossing, protected: frozenset[int] = frozenset()) -> list[int]:
+    """Drop the cuts after the narrowest one from the last `protected` cut (block
+    boundary) on: the loss head after it (the logits' matmul, the softmax, the loss) is one
+    stage. Every such cut crosses more than the narrowest (the logits, where a cut before
+    the head crosses a block's output), the tail's forward runs right before its
+    backward, so a checkpoint inside it saves little, and XLA fuses across those cuts in
+    the step: it makes the logits' cotangent and its transpose from the softmax's
+    buffers with them all live, which stages profiled apart do not hold (docs/jax-facts.md,
+    fact 13). Of equally narrow cuts the last is kept."""
+    last_protected = max((c for c in cuts if c in protected), default=0)
+    tail = [c for c in cuts if c > last_protected]
+    candidates = tail + ([last_protected] if last_protected else [])
+    if not tail or len(candidates) < 2:
+        return list(cuts)
+    narrowest = min(candidates, key=lambda c: (crossing[c], -c))
+    return [c for c in cuts if c <= narrowest]
 
 
 def drop_split_readers(program: Program, cuts: list[int], counted: set[int],

@@ -409,3 +409,21 @@ def test_batchnorm_statistics_and_normalisation_share_a_stage():
     program = trace(m.loss_fn, m.params, *m.batch, has_aux=True)
     names = [s.name for s in build_cost_graph(program).stages]
     assert sum("stem_norm" in name for name in names) == 1, names
+
+def test_the_loss_tail_after_its_narrowest_cut_is_one_stage():
+    """graph.merge_loss_tail: from the last block boundary on, the cuts after the
+    narrowest go (the logits' matmul, softmax and loss become one stage); of equally
+    narrow ones the last stays; block boundaries and the cuts before stay."""
+    from remat_planner.graph import merge_loss_tail
+
+    crossing = {10: 64, 20: 64, 30: 64, 35: 64, 40: 4096, 45: 4096}
+    # blocks end at 30: the final norm (30-35) stays apart, the head from 35 is one stage
+    assert merge_loss_tail([10, 20, 30, 35, 40, 45], crossing, frozenset({10, 20, 30})) == \
+        [10, 20, 30, 35]
+    # the narrowest is the last block boundary: everything after it is the head
+    crossing[35] = 128
+    assert merge_loss_tail([10, 20, 30, 35, 40, 45], crossing, frozenset({10, 20, 30})) == \
+        [10, 20, 30]
+    # without blocks, over all cuts; nothing after the last block: unchanged
+    assert merge_loss_tail([10, 40, 45], crossing, frozenset()) == [10]
+    assert merge_loss_tail([10, 20, 30], crossing, frozenset({10, 20, 30})) == [10, 20, 30]

@@ -118,7 +118,7 @@ def test_print_plan_is_a_table_not_a_dataclass_dump(small):
     assert text == plan.summary()
     assert repr(plan).startswith("Plan(segments=")  # repr stays the dataclass's
     assert "Segment(" not in text and "eqns[" not in text and "stages 0-0" not in text
-    assert "GPT2/h_0 (ln_1, attn)" in text and "loss and other code outside any module" in text
+    assert "GPT2/h_0 (ln_1, attn)" in text and "GPT2 (ln_f, wte.attend) + loss" in text
     assert "inputs + projections" in text or "its inputs only" in text
     for meaning in ("budget", "predicted peak", "XLA peak", "recompute"):
         assert re.search(rf"^  {meaning} +\S", text, re.M), (meaning, text)
@@ -173,9 +173,12 @@ def test_scan_scheme_in_words():
 
 def test_unnamed_code_named_by_what_it_computes(small):
     _, _, an, plan = small
-    last = plan.stages[-1]
-    assert last.name.startswith("eqns[")
-    assert stage_label(last.name, an.program) == "loss (softmax cross-entropy)"
+    last = plan.stages[-1]  # the head's modules and the loss after them: one stage
+    assert stage_label(last.name, an.program, span=(last.start, last.stop)) == \
+        "GPT2 (ln_f, wte.attend) + loss (softmax cross-entropy)"
+    head = [i for i, e in enumerate(an.program.eqns) if e.module_path.strip("/")][-1] + 1
+    assert stage_label(f"eqns[{head}:{len(an.program.eqns)}]", an.program) == \
+        "loss (softmax cross-entropy)"
     assert stage_label("eqns[3:9]").startswith("code outside any module (equations 3-8)")
 
 
@@ -293,7 +296,8 @@ def test_memory_png_layout(small):
             assert box.x0 >= 0 and box.y0 >= 0, (label.get_text(), box)
             assert box.x1 <= figure_box.x1 and box.y1 <= figure_box.y1, (label.get_text(), box)
         assert ax.get_ylabel() == "live bytes (MiB)"
-        assert any("loss (softmax" in t.get_text() for t in ax.get_xticklabels())
+        # the head and the loss (one stage) by its modules' names, not eqns[...]
+        assert any("GPT2 (ln_f, wte.attend)" in t.get_text() for t in ax.get_xticklabels())
     finally:
         plt.close(fig)
 
