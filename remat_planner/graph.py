@@ -690,13 +690,20 @@ def _stages_and_blocks(program: Program, graph: nx.DiGraph, max_stages: int):
     cuts = _limit_cuts(exact, block_cuts, protected, others, crossing, n, max_stages - 1)
     cuts = _merge_trivial(cuts, flops, n, frozenset(protected))
     cuts = drop_split_readers(program, cuts, counted, frozenset(protected))
-    cuts = merge_loss_tail(cuts, crossing, frozenset(protected))
+    if _returns_scalar(program):  # a step's loss, not a scan body's carry
+        cuts = merge_loss_tail(cuts, crossing, frozenset(protected))
     bounds = [0, *cuts, n]
     stages = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         stages.append(Stage(lo, hi, stage_name(program, lo, hi), float(sum(flops[lo:hi])),
                             stage_bytes(graph, lo, hi)))
     return tuple(stages), groups
+
+
+def _returns_scalar(program: Program) -> bool:
+    """Whether the program's first output is a scalar (a loss)."""
+    out = program.outvars[0] if program.outvars else None
+    return isinstance(out, int) and program.avals[out].shape == ()
 
 
 def merge_loss_tail(cuts: list[int], crossing, protected: frozenset[int] = frozenset()) -> list[int]:
@@ -710,9 +717,9 @@ def merge_loss_tail(cuts: list[int], crossing, protected: frozenset[int] = froze
     fact 13). Of equally narrow cuts the last is kept."""
     last_protected = max((c for c in cuts if c in protected), default=0)
     tail = [c for c in cuts if c > last_protected]
-    candidates = tail + ([last_protected] if last_protected else [])
-    if not tail or len(candidates) < 2:
+    if not last_protected or not tail:  # no blocks: no head to tell apart
         return list(cuts)
+    candidates = [last_protected, *tail]
     narrowest = min(candidates, key=lambda c: (crossing[c], -c))
     return [c for c in cuts if c <= narrowest]
 

@@ -424,6 +424,6 @@ def test_the_loss_tail_after_its_narrowest_cut_is_one_stage():
     crossing[35] = 128
     assert merge_loss_tail([10, 20, 30, 35, 40, 45], crossing, frozenset({10, 20, 30})) == \
         [10, 20, 30]
-    # without blocks, over all cuts; nothing after the last block: unchanged
-    assert merge_loss_tail([10, 40, 45], crossing, frozenset()) == [10]
+    # without blocks (no head to tell apart) or nothing after the last block: unchanged
+    assert merge_loss_tail([10, 40, 45], crossing, frozenset()) == [10, 40, 45]
     assert merge_loss_tail([10, 20, 30], crossing, frozenset({10, 20, 30})) == [10, 20, 30]
