@@ -2,6 +2,8 @@
 model's own modules with policy predicates, compiled by XLA to the same peak and FLOPs as
 the replayed plan; segments that are not one module are reported, not approximated."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -312,7 +314,8 @@ def test_command_line_prints_the_exported_form(capsys):
     assert main(["configs/gpt2-tiny.yaml", "--budget", "24MB", "--python"]) == 0
     out = capsys.readouterr().out
     assert "XLA peak" in out and "def policy_0(prim, *avals, **params)" in out
-    assert "h_0" in out or "NOT EXPORTED" in out
+    # the blocks it wraps by name (which ones depends on the plan), or why it cannot
+    assert re.search(r"^# h_\d+: nn.remat\(Block", out, re.M) or "NOT EXPORTED" in out
 
 
 def test_the_example_plans_whole_blocks_and_its_hand_written_form_matches():
