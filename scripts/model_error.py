@@ -84,8 +84,18 @@ def summary(rows: list[tuple[float, float]], indent: str = "  ") -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", metavar="MODEL",
+                        help=f"corpus models (default: all): {', '.join(sorted(corpus.MODELS))}")
+    models = parser.parse_args().models
+    unknown = [m for m in models if m not in corpus.MODELS]
+    if unknown:
+        parser.error(f"unknown corpus model {unknown[0]!r}; known: "
+                     f"{', '.join(sorted(corpus.MODELS))}")
     every = []
-    for model in sys.argv[1:] or corpus.MODELS:
+    for model in models or corpus.MODELS:
         every += report(model)
     print(f"all {len(every)} plans:")
     summary(every)
