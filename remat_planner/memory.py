@@ -190,16 +190,25 @@ def stage_gradient_bytes(program: Program, cost: CostGraph) -> tuple[int, ...]:
     output embeddings) has its gradient accumulated from the last stage's backward to the
     first's, live over most of the step: it stays in fixed memory, as do parameters no
     stage uses."""
-    params = program.invars[:program.n_param_leaves]
-    users: dict[int, set[int]] = {v: set() for v in params}
+    return _own_parameter_bytes(program, cost, gathered_only=False)
+
+
+def _own_parameter_bytes(program: Program, cost: CostGraph, gathered_only: bool) -> tuple[int, ...]:
+    """Per stage: bytes of the floating parameters only that stage reads; with
+    `gathered_only`, of those it reads only as a gather's operand (embedding tables)."""
+    users: dict[int, set[int]] = {v: set() for v in program.invars[:program.n_param_leaves]
+                                  if _is_float(program.avals[v])}
+    other_use: set[int] = set()
     for k, st in enumerate(cost.stages):
         for e in program.eqns[st.start:st.stop]:
-            for v in e.invars:
+            for j, v in enumerate(e.invars):
                 if isinstance(v, int) and v in users:
                     users[v].add(k)
+                    if e.name != "gather" or j != 0:
+                        other_use.add(v)
     out = [0] * len(cost.stages)
     for v, ks in users.items():
-        if len(ks) == 1 and _is_float(program.avals[v]):
+        if len(ks) == 1 and not (gathered_only and v in other_use):
             out[next(iter(ks))] += program.nbytes(v)
     return tuple(out)
 
@@ -273,21 +282,7 @@ def table_gradient_bytes(program: Program, cost: CostGraph) -> tuple[int, ...]:
     into them in the stage's backward, so the buffer lives from the step's start
     (docs/jax-facts.md, fact 12). A table read otherwise too (the output head of tied
     embeddings) gets its gradient added onto that use's: no zeros are made for it."""
-    params = program.invars[:program.n_param_leaves]
-    readers: dict[int, set[int]] = {v: set() for v in params if _is_float(program.avals[v])}
-    gathered_only = set(readers)
-    for k, st in enumerate(cost.stages):
-        for e in program.eqns[st.start:st.stop]:
-            for j, v in enumerate(e.invars):
-                if isinstance(v, int) and v in readers:
-                    readers[v].add(k)
-                    if e.name != "gather" or j != 0:
-                        gathered_only.discard(v)
-    out = [0] * len(cost.stages)
-    for v in gathered_only:
-        if len(readers[v]) == 1:
-            out[next(iter(readers[v]))] += program.nbytes(v)
-    return tuple(out)
+    return _own_parameter_bytes(program, cost, gathered_only=True)
 
 
 def with_table_gradients(chain: "ChainModel", per_stage: Sequence[int]) -> "ChainModel":
@@ -431,8 +426,8 @@ class KeepOption(NamesAnOption):
     # recompute_flops, the time cost model's input (costmodel.CostModel).
     recompute_bytes: float = 0.0
     # A whole block's option (a span's) whose backward runs stage by stage: every inner
-    # cut's values are recomputed from kept ones without a matmul or convolution, so
-    # XLA recomputes each stage just before its backward (span_is_stagewise).
+    # cut's values are made from kept ones by elementwise work, so XLA recomputes each
+    # stage just before its backward (span_is_stagewise).
     stagewise: bool = False
 
     OPTION_FIELD: ClassVar[str] = "name"
@@ -1223,8 +1218,9 @@ def span_is_stagewise(program: Program, bounds: Sequence[int], saved: set[int],
     is its peak. Measured on the corpus (scripts/model_error.py, each block under one
     rule): under `nothing` the stagewise model put the transformers 7-13% under XLA;
     under `dots_with_no_batch_dims` the whole-block one put the pre-norm
-    `nn.SelfAttention` and nnx LMs 8-10% over, while it fits the post-norm BERT (whose
-    inner cut is a LayerNorm) and the GPT-2 with dropout (random bits) within 1%."""
+    `nn.SelfAttention` and nnx LMs 8-10% over, while it fits the GPT-2 with dropout
+    (random bits) within 1%. The post-norm BERT passes this test but XLA recomputes its
+    attention with the MLP: its plan is put 6.5% under XLA (docs/jax-facts.md, fact 14)."""
     lo, hi = bounds[0], bounds[-1]
     for cut in bounds[1:-1]:
         crossing = {v for e in program.eqns[cut:hi] for v in e.invars

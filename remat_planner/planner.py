@@ -189,6 +189,10 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
             chain = scale_chain(chain, batch_share(spec))
             chain = with_gathered_weights(chain, program, cost,
                                           gathered_bytes(program, params, spec))
+    # gathered tables' gradients: charged from the step's start (fact 12), not with
+    # their stage's own
+    tables = (table_gradient_bytes(program, cost) if optimizer is not None and spec is None
+              else (0,) * len(cost.stages))
     if optimizer is not None and spec is None:
         # Gradients along the step (docs/jax-facts.md, fact 3): none exists in the forward.
         # Under a per-parameter update each stage's own gradients live through its
@@ -199,9 +203,6 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
         own = stage_gradient_bytes(program, cost)
         held = None
         if per_parameter_update(optimizer, params):
-            # a gathered table's gradient is charged from the step's start instead
-            # (with_table_gradients below)
-            tables = table_gradient_bytes(program, cost) if spec is None else (0,) * len(own)
             chain = with_stage_gradients(chain, [o - t for o, t in zip(own, tables)])
             fixed = dataclasses.replace(fixed, staged_grads_bytes=sum(own))
         else:
@@ -214,9 +215,7 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
         # poolings' gradients (docs/jax-facts.md, facts 8 and 9)
         chain = with_random_bits(chain, program, cost)
         chain = with_pooling_indices(chain, program, cost)
-        if optimizer is not None:
-            # the zeros a gathered table's gradient is scattered into (fact 12)
-            chain = with_table_gradients(chain, table_gradient_bytes(program, cost))
+        chain = with_table_gradients(chain, tables)  # the zeros they are scattered into
     if scanned is not None:
         scanned = dataclasses.replace(scanned, chain=chain)
     store_all = [Segment(i, i + 1, STORE) for i in range(chain.n)]
