@@ -288,10 +288,16 @@ def table_gradient_bytes(program: Program, cost: CostGraph) -> tuple[int, ...]:
 def with_table_gradients(chain: "ChainModel", per_stage: Sequence[int]) -> "ChainModel":
     """The chain with the zero buffers of the tables' gradients (table_gradient_bytes) live
     where XLA holds them: made at the step's start and held, as each table's gradient,
-    through the backward of the stage gathering from it. Charged as carried values
-    (ChainModel.carried_fwd, carried_bwd) made before the first stage and read by that
-    stage's backward; the stage's own gradients (with_stage_gradients) must leave them
-    out."""
+    through the backward of the stage gathering from it (with_held_from_start). The
+    stage's own gradients (with_stage_gradients) must leave them out."""
+    return with_held_from_start(chain, per_stage)
+
+
+def with_held_from_start(chain: "ChainModel", per_stage: Sequence[int]) -> "ChainModel":
+    """The chain with `per_stage` bytes per stage made at the step's start (they depend on
+    nothing) and held through that stage's backward, whatever the plan: charged as
+    carried values (ChainModel.carried_fwd, carried_bwd) made before the first stage and
+    read by that stage's backward."""
     if not any(per_stage):
         return chain
     n = chain.n
@@ -340,21 +346,74 @@ def _with_pending(chain: "ChainModel", per_stage: Sequence[int]) -> tuple[int, .
     return tuple(int(a + b) for a, b in zip(old, pending))
 
 
+def _pooled_input(program: Program, eqn, varying: frozenset[int]):
+    """(aval, padded shape) of a max or min pooling's differentiated input; None for any
+    other equation, and for a pooling of a value not differentiated."""
+    if eqn.name not in ("reduce_window_max", "reduce_window_min"):
+        return None
+    x = eqn.invars[0]
+    if not isinstance(x, int) or x not in varying:
+        return None
+    aval = program.avals[x]
+    dilation = eqn.params.get("base_dilation") or (1,) * aval.ndim
+    return aval, [(d - 1) * b + 1 + lo + hi
+                  for d, b, (lo, hi) in zip(aval.shape, dilation, eqn.params["padding"])]
+
+
 def pooling_index_bytes(program: Program, eqn, varying: frozenset[int]) -> int:
     """Bytes of the index arrays XLA's CPU backend makes for the gradient of one max or min
     pooling (0 for any other equation, and for a pooling of a value not differentiated):
     one `s32` iota per dimension of the padded input, from which it computes the argmax
     (docs/jax-facts.md, fact 9)."""
-    if eqn.name not in ("reduce_window_max", "reduce_window_min"):
+    pooled = _pooled_input(program, eqn, varying)
+    if pooled is None:
         return 0
-    x = eqn.invars[0]
-    if not isinstance(x, int) or x not in varying:
-        return 0
-    aval = program.avals[x]
-    dilation = eqn.params.get("base_dilation") or (1,) * aval.ndim
-    shape = [(d - 1) * b + 1 + lo + hi
-             for d, b, (lo, hi) in zip(aval.shape, dilation, eqn.params["padding"])]
+    aval, shape = pooled
     return aval.ndim * 4 * int(np.prod(shape, dtype=np.int64))
+
+
+def pooling_zeros_bytes(program: Program, eqn, varying: frozenset[int],
+                        uses: dict[int, list[int]]) -> int:
+    """Bytes of the zeros the gradient of one max or min pooling is scattered into (0 for
+    any other equation, a pooling of a value not differentiated, or of a value read
+    elsewhere too): XLA's CPU backend computes the pooling's transpose as a scatter-add
+    into zeros of the padded input's shape and dtype, which depend on nothing and are
+    made at the step's start. Where the input has another reader (a U-Net's skip), the
+    scatter adds onto that reader's cotangent instead, as a gathered table's does
+    (docs/jax-facts.md, facts 12 and 15)."""
+    pooled = _pooled_input(program, eqn, varying)
+    if pooled is None or len(uses.get(eqn.invars[0], ())) != 1:
+        return 0
+    aval, shape = pooled
+    return aval.dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+
+
+def with_pooling_zeros(chain: "ChainModel", program: Program, cost: CostGraph) -> "ChainModel":
+    """The chain with the zeros its poolings' gradients are scattered into
+    (pooling_zeros_bytes) live where XLA holds them: from the step's start through the
+    pooling stage's backward, whatever the plan (with_held_from_start; docs/jax-facts.md,
+    fact 15). The stage's backward workspace (its forward and backward compiled alone,
+    where XLA makes them at its start too) holds its own: taken out there, so that each
+    is counted once; so are a whole block's."""
+    varying = varying_values(program)
+    uses = value_uses(program)
+    per_stage = [sum(pooling_zeros_bytes(program, e, varying, uses)
+                     for e in program.eqns[st.start:st.stop]) for st in cost.stages]
+    if not any(per_stage):
+        return chain
+    prefix = np.concatenate([[0], np.cumsum(per_stage)])
+
+    def without(profile: StageProfile, z: int) -> StageProfile:
+        options = tuple(o if o.bwd_temp_bytes is None
+                        else dataclasses.replace(o, bwd_temp_bytes=int(o.bwd_temp_bytes - z))
+                        for o in profile.options)
+        return dataclasses.replace(profile, bwd_temp_bytes=int(profile.bwd_temp_bytes - z),
+                                   options=options)
+
+    chain = dataclasses.replace(
+        chain, stages=tuple(without(s, z) for s, z in zip(chain.stages, per_stage)),
+        spans=tuple((a, c, without(p, int(prefix[c] - prefix[a]))) for a, c, p in chain.spans))
+    return with_held_from_start(chain, per_stage)
 
 
 def with_pooling_indices(chain: "ChainModel", program: Program, cost: CostGraph) -> "ChainModel":

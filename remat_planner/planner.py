@@ -28,7 +28,8 @@ from .graph import jaxpr_bytes, jaxpr_flops
 from .memory import (ChainModel, FixedMemory, StageProfile, carried_values, fixed_memory,
                      per_parameter_update, profile_stages, scale_chain, scaled_workspace,
                      simulate, stage_gradient_bytes, table_gradient_bytes, with_carried_values,
-                     with_gradient_timeline, with_pooling_indices, with_random_bits,
+                     with_gradient_timeline, with_pooling_indices, with_pooling_zeros,
+                     with_random_bits,
                      weighted_chain, with_gathered_weights, with_stage_gradients,
                      with_table_gradients)
 from .sharding import (ShardingSpec, batch_share, check_devices, collective_outputs,
@@ -215,7 +216,10 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
         # poolings' gradients (docs/jax-facts.md, facts 8 and 9)
         chain = with_random_bits(chain, program, cost)
         chain = with_pooling_indices(chain, program, cost)
-        chain = with_table_gradients(chain, tables)  # the zeros they are scattered into
+        # zeros made at the step's start for scatters: tables' gradients, poolings'
+        # (facts 12 and 15)
+        chain = with_table_gradients(chain, tables)
+        chain = with_pooling_zeros(chain, program, cost)
     if scanned is not None:
         scanned = dataclasses.replace(scanned, chain=chain)
     store_all = [Segment(i, i + 1, STORE) for i in range(chain.n)]

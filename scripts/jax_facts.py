@@ -517,6 +517,57 @@ def fact_table_gradient_zeros() -> list[str]:
             "live at the peak, in the layers' backward, long before the gather's."]
 
 
+def fact_pooling_zeros_early() -> list[str]:
+    """n = 4 layers of `tanh(conv3x3(h))`, each followed by a max pooling (several windows,
+    strides and paddings), stored or each checkpointed; jax.grad of the sum of squares.
+    Where the schedule makes the zeros each pooling's gradient is scattered into (the
+    scatter's first operand: a broadcast of a constant, or a copy of one), and where the
+    scatter runs. Last, the pooling's input also read by a skip (`+ sum(h * h)`): what the
+    scatter starts from then."""
+    b, c, n = 2, 8, 4
+    rows = []
+    for win, stride, pad, skip in (((2, 2), (1, 1), "SAME", False), ((2, 2), (2, 2), "VALID", False),
+                                   ((3, 3), (2, 2), "SAME", False), ((2, 2), (2, 2), "VALID", True)):
+        hw = 16 * stride[0] ** n  # 16 x 16 after the last pooling
+        for ckpt in (False, True):
+            def layer(w, h):
+                h = jnp.tanh(jax.lax.conv_general_dilated(
+                    h, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")))
+                p = jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, *win, 1), (1, *stride, 1), pad)
+                return p, jnp.sum(h * h)
+
+            def loss(ws, x, ckpt=ckpt):
+                h, extra = x, 0.0
+                for w in ws:
+                    f = jax.checkpoint(layer) if ckpt else layer
+                    h, s = f(w, h)
+                    extra = extra + (s if skip else 0.0)
+                return jnp.sum(h ** 2) + extra
+
+            ws = [jax.ShapeDtypeStruct((3, 3, c, c), jnp.float32)] * n
+            x = jax.ShapeDtypeStruct((b, hw, hw, c), jnp.float32)
+            text = _compile(jax.grad(loss), ws, x, options=REMAT_OPTION).as_text()
+            entry = [line for line in text[text.index("\nENTRY"):].splitlines() if " = " in line]
+            where = {line.split("=")[0].strip().lstrip("%"): i for i, line in enumerate(entry)}
+            convs = [i for i, line in enumerate(entry) if "convolution(" in line]
+            made, used, sources = [], [], set()
+            for i, line in enumerate(entry):
+                if "scatter" not in line.split("=")[0]:
+                    continue
+                src = re.findall(r"%([\w.\-]+)", line.split("=", 1)[1].split("(", 1)[1])[0]
+                src_line = entry[where[src]].split("=", 1)[1]
+                zeros = "copy(%wrapped_broadcast" in src_line or "fusion(%constant" in src_line
+                sources.add("zeros" if zeros else src_line.split("(")[0].split()[-1])
+                made.append(where[src])
+                used.append(i)
+            rows.append(f"| {win[0]}x{win[1]} stride {stride[0]} {pad}{', input read by a skip' if skip else ''} | "
+                        f"{'each checkpointed' if ckpt else 'stored'} | {convs[0]} | "
+                        f"{', '.join(sorted(sources))} | {min(made)}-{max(made)} | "
+                        f"{min(used)}-{max(used)} of {len(entry)} |")
+    return ["| pooling | layers | first convolution at | the scatters start from | made at | "
+            "the scatters at |", "|---|---|---|---|---|---|", *rows]
+
+
 def fact_returned_loss_held() -> list[str]:
     """A loss head alone, `mean(-take_along_axis(log_softmax(h @ W), targets))` over h of
     4 x 256 x 64 and W of 64 x 4096 (logits 4 x 256 x 4096: 16 MiB), compiled as its
@@ -571,7 +622,9 @@ def main() -> None:
                         ("12. An embedding table's gradient is made at the start of the step",
                          fact_table_gradient_zeros),
                         ("13. A returned loss is computed after its head's backward",
-                         fact_returned_loss_held)):
+                         fact_returned_loss_held),
+                        ("15. A max pooling's gradient is scattered into zeros made at the start",
+                         fact_pooling_zeros_early)):
         print(f"## {title}\n")
         print("\n".join(fact()) + "\n", flush=True)
 
