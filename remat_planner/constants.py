@@ -39,18 +39,6 @@ TRIVIAL_STAGE_SHARE = 0.005
 MAX_STAGES = 48
 
 # ---------------------------------------------------------------------------------------
-# memory.py
-# ---------------------------------------------------------------------------------------
-
-# What a stored stage adds to the keep of a run of stored stages is measured with this
-# many stages before it compiled together with it (memory.ChainModel.run_saving).
-# Measured on the corpus CNN, ResNet and U-Net (docs/jax-facts.md, fact 16): with 3 the
-# addition equals the one in the whole run of stored stages from the step's start, for
-# every stage; with 1 it is up to 262,144 B off (a BatchNorm block after the stage
-# before the one before it), with 2 up to 131,072 B.
-RUN_CONTEXT = 3
-
-# ---------------------------------------------------------------------------------------
 # solve.py
 # ---------------------------------------------------------------------------------------
 

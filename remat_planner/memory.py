@@ -25,7 +25,6 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from . import hlo
-from .constants import RUN_CONTEXT
 from .graph import (CostGraph, definitions, jaxpr_bytes, jaxpr_flops, last_uses,
                     value_uses, varying_values)
 from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, KeepRule, NamesAnOption, Segment,
@@ -557,14 +556,6 @@ class ChainModel:
     # at cut k). Empty: none (with_carried_values).
     carried_fwd: tuple[int, ...] = ()
     carried_bwd: tuple[int, ...] = ()
-    # run_saving[k] (k >= 1): bytes stage k's `store` option counts (in its keep and in
-    # its forward's and backward's peaks) that XLA does not hold when stage k continues
-    # a run of stored leaves (stage k-1 a stored leaf right before it in the same list
-    # of segments), or, negative, holds more: e.g. its input, which its compile alone
-    # reads in its backward as an argument and the step recomputes there from what the
-    # stages before keep (a ReLU after a BatchNorm). Measured on the stages before it
-    # compiled together with it (profile_stages; docs/jax-facts.md, fact 16). Empty: none.
-    run_saving: tuple[int, ...] = ()
 
     @property
     def n(self) -> int:
@@ -608,11 +599,6 @@ class ChainModel:
         its backward or its recomputation."""
         table = self.carried_fwd if top else self.carried_bwd
         return table[stop] if table else 0
-
-    def run_saving_at(self, k: int) -> int:
-        """Bytes stage k's `store` leaf does not hold after a stored leaf of stage k - 1
-        (run_saving[k])."""
-        return self.run_saving[k] if self.run_saving and k > 0 else 0
 
     def region_input_bytes(self, a: int, b: int) -> int:
         """Bytes a checkpointed region over stages [a, b) keeps: the activations crossing
@@ -804,8 +790,6 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
         options = tuple(dataclasses.replace(o, saved=tuple(mapping[v] for v in o.saved))
                         for o in opts_local)
         stages.append(StageProfile(st.name, st.flops, options, wf, wb, st.bytes_accessed))
-    shared = (_run_saving(program, cost, stages, last, defs, free, varying, returned, cache,
-                            progress) if measure_xla and xla_keeps else ())
     spans = []
     for a, c in cost.spans:  # one checkpoint over a whole block copy, under each keep rule
         lo, hi = cost.stages[a].start, cost.stages[c - 1].stop
@@ -834,75 +818,7 @@ def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = Tru
         boundary[k] -= b
     return ChainModel(tuple(stages), tuple(int(b) for b in boundary),
                       cut_overlap(program, cost, last, defs, carried),
-                      region_inputs(program, cost, boundary, last, defs, carried), tuple(spans),
-                      run_saving=shared if any(shared) else ())
-
-
-def _keeps_by_xla(program: Program, ins, outs, free, wrt) -> bool:
-    """Whether _profile_one gives the stage over these inputs and outputs XLA's keep for
-    `store` (a backward, and a cotangent that is not a scalar)."""
-    return bool(wrt) and any(_is_float(program.avals[v]) and v not in free
-                             and program.avals[v].shape for v in outs)
-
-
-def _run_saving(program: Program, cost: CostGraph, stages: Sequence[StageProfile], last, defs,
-                free, varying, returned, cache: "_Profiles",
-                progress: Callable[[str], None] | None) -> tuple[int, ...]:
-    """ChainModel.run_saving: per stage k, its stored keep alone (hlo.kept_bytes of its
-    compile) less what it adds to the keep of the stages before it, all stored,
-    compiled together with it: kept([k - w, k + 1)) - kept([k - w, k)), over a context
-    of w = RUN_CONTEXT stages (fewer at the start, or after a stage XLA's keep is not
-    read for), or w = 1 where the pair already adds what the stage keeps alone. At
-    most its keep alone; negative where it adds more.
-
-    Compiled alone, a stage's backward reads its input as an argument, live anyway; in
-    the step XLA recomputes it there from buffers the stages before keep when its
-    producer is elementwise (the ReLU of a BatchNorm's output) and holds neither;
-    elsewhere the fusion across the cut keeps a buffer neither stage alone does
-    (docs/jax-facts.md, fact 16). Each distinct range is compiled once."""
-    by_xla = []
-    for st in cost.stages:
-        ins, outs = stage_io(program, st.start, st.stop, last, defs)
-        by_xla.append(_keeps_by_xla(program, ins, outs, free, differentiated(ins, varying)))
-
-    def kept(a: int, c: int) -> int | None:
-        lo, hi = cost.stages[a].start, cost.stages[c - 1].stop
-        ins, outs = stage_io(program, lo, hi, last, defs)
-        wrt = differentiated(ins, varying)
-        key = "run|" + _structure_key(program, lo, hi, ins, outs) + str(wrt)
-        if key not in cache:
-            if progress:
-                progress(f"profiling stages {a + 1}-{c}/{len(stages)} stored together")
-            fn_outs = [v for v in outs if _is_float(program.avals[v]) and v not in free]
-            aval = lambda v: jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype)
-            cache[key] = _xla_workspace(
-                make_segment_fn(program, lo, hi, ins, fn_outs), [aval(v) for v in ins],
-                [aval(v) for v in fn_outs], wrt,
-                frozenset(i for i, v in enumerate(ins) if v not in free), forward_alone=False,
-                returned=tuple(i for i, v in enumerate(fn_outs) if v in returned))[2]
-        return cache[key]
-
-    def added(a: int, k: int) -> int | None:
-        """What stage k adds to the keep of stages [a, k) compiled with them."""
-        with_k = kept(a, k + 1)
-        before = stages[a].options[0].keep_bytes if k == a + 1 else kept(a, k)
-        return None if with_k is None or before is None else with_k - before
-
-    out = [0] * len(stages)
-    for k in range(1, len(stages)):
-        if not (by_xla[k] and by_xla[k - 1]):
-            continue
-        # the pair first; a longer context only where the pair changes anything
-        alone, a = stages[k].options[0].keep_bytes, k - 1
-        add = added(a, k)
-        while add is not None and add != alone and a > max(0, k - RUN_CONTEXT) and by_xla[a - 1]:
-            a = max(0, k - RUN_CONTEXT)
-            while not all(by_xla[a:k]):
-                a += 1
-            add = added(a, k)
-        if add is not None:
-            out[k] = int(min(alone - add, alone))
-    return tuple(out)
+                      region_inputs(program, cost, boundary, last, defs, carried), tuple(spans))
 
 
 def _carried_crossing(program: Program, cost: CostGraph, carried, last, defs) -> list[int]:
@@ -1243,8 +1159,7 @@ def scale_chain(chain: ChainModel, f: float) -> ChainModel:
     return ChainModel(tuple(stages), tuple(sc(b) for b in chain.boundary),
                       table(chain.overlap), table(chain.inputs),
                       carried_fwd=tuple(sc(b) for b in chain.carried_fwd),
-                      carried_bwd=tuple(sc(b) for b in chain.carried_bwd),
-                      run_saving=tuple(sc(b) for b in chain.run_saving))
+                      carried_bwd=tuple(sc(b) for b in chain.carried_bwd))
 
 
 def with_gathered_weights(chain: ChainModel, program: Program, cost: CostGraph,
@@ -1513,28 +1428,24 @@ def run_chain(chain, segments, live: int, inside_region: bool, events=None,
     over [a, b), whose input `live` holds: what its first child keeps of those arrays is
     not added again (segment_keep), also while a nested first region's body runs."""
     peak, cost = live, 0.0
-    kept_before, keeps, shares = [], [], []
+    kept_before, keeps = [], []
     fwd_phase = "recompute" if inside_region else "forward"
     for idx, seg in enumerate(segments):
         kept_before.append(live)
-        # a stored leaf right after a stored leaf: less (or more) held (run_saving)
-        shares.append(chain.run_saving_at(seg.start)
-                      if idx and is_stored_leaf(seg) and is_stored_leaf(segments[idx - 1]) else 0)
         if seg.children:
             fwd = region_fwd_peak(chain, seg.start, seg.stop, top=not inside_region)
         else:
             opt = chain.leaf_profile(seg.start, seg.stop).option(seg.option)
-            fwd = leaf_fwd_peak(chain, seg.start, opt, seg.stop, top=not inside_region) - shares[-1]
+            fwd = leaf_fwd_peak(chain, seg.start, opt, seg.stop, top=not inside_region)
         step = live + forward_need(chain, fwd, seg.stop, top=not inside_region)
         peak = max(peak, step)
         if events is not None:
             events.append(TimelinePoint(fwd_phase, seg.start, seg.stop, step, live))
-        keeps.append(segment_keep(chain, seg, region if idx == 0 else None) - shares[-1])
+        keeps.append(segment_keep(chain, seg, region if idx == 0 else None))
         live += keeps[-1]
         if inside_region:
             cost += _recompute_forward_cost(chain, seg, last=idx == len(segments) - 1)
-    for seg, before, keep, shared in zip(reversed(segments), reversed(kept_before),
-                                         reversed(keeps), reversed(shares)):
+    for seg, before, keep in zip(reversed(segments), reversed(kept_before), reversed(keeps)):
         if seg.children:
             # The region's input is live again for its recomputation: what it kept (less,
             # as a first child, what its parent holds already).
@@ -1545,18 +1456,13 @@ def run_chain(chain, segments, live: int, inside_region: bool, events=None,
         else:
             opt = chain.leaf_profile(seg.start, seg.stop).option(seg.option)
             step = before + backward_need(
-                chain, leaf_bwd_peak(chain, seg.start, opt, seg.stop, top=not inside_region)
-                - shared, seg.start, seg.stop)
+                chain, leaf_bwd_peak(chain, seg.start, opt, seg.stop, top=not inside_region),
+                seg.start, seg.stop)
             peak = max(peak, step)
             if events is not None:
                 events.append(TimelinePoint("backward", seg.start, seg.stop, step, before))
             cost += opt.recompute_flops
     return peak, cost
-
-
-def is_stored_leaf(seg: Segment) -> bool:
-    """Whether `seg` is one stage run without a checkpoint (ChainModel.run_saving)."""
-    return not seg.children and seg.stop == seg.start + 1 and isinstance(seg.kind, Store)
 
 
 def _recompute_forward_cost(chain: ChainModel, seg: Segment, last: bool) -> float:

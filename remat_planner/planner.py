@@ -359,9 +359,7 @@ def _scaled(chain: ChainModel, alpha: float, beta: float) -> ChainModel:
         return dataclasses.replace(s, options=opts,
                                    fwd_temp_bytes=scaled_workspace(s.fwd_temp_bytes, beta),
                                    bwd_temp_bytes=scaled_workspace(s.bwd_temp_bytes, beta))
-    # what a stored stage holds less after a stored one is part of its `store` residuals
-    return dataclasses.replace(chain, stages=tuple(scaled(s) for s in chain.stages),
-                               run_saving=tuple(int(b * alpha) for b in chain.run_saving))
+    return dataclasses.replace(chain, stages=tuple(scaled(s) for s in chain.stages))
 
 
 def _fit_scale(f: Callable[[float], int], target: int, lo: float = 0.1, hi: float = 4.0) -> float:

@@ -76,27 +76,6 @@ class ChainSolver:
         self.leaf: dict[bool, list] = {
             True: top_leaves,
             False: [leaves(i, False) for i in range(n)] if self.top_differs else top_leaves}
-        # A stored stage right after a stored stage holds less, or more, than alone
-        # (ChainModel.run_saving): per stage with such a saving, its leaves as they are
-        # after a stored leaf, keyed by `top`. A list starting at such a stage has
-        # tables for both cases (P and Q keyed by `after`: what precedes it is a stored
-        # leaf); elsewhere they are the same tables.
-        def after_store(i: int, top: bool) -> list:
-            saving = chain.run_saving_at(i)
-            out = []
-            for c, o, keep, need, cost in self.leaf[top][i]:
-                if c == i + 1 and isinstance(o.kind, Store):
-                    keep = u(o.keep_bytes - saving)
-                    need = max(
-                        u(forward_need(chain, leaf_fwd_peak(chain, i, o, c, top) - saving, c, top)),
-                        u(backward_need(chain, leaf_bwd_peak(chain, i, o, c, top) - saving, i, c)))
-                out.append((c, o, keep, need, cost))
-            return out
-
-        self.paired = [chain.run_saving_at(i) != 0 for i in range(n)]
-        self.leaf_after: dict[bool, dict[int, list]] = {
-            top: {i: after_store(i, top) for i in range(n) if self.paired[i]}
-            for top in (True, False)}
         self.flops_prefix = np.concatenate([[0.0], np.cumsum([s.flops for s in chain.stages])])
         # Tables over [a, b): per budget m (units), the least recompute FLOPs, INF where
         # nothing fits. What differs is what is live when the list starts, and what its
@@ -109,10 +88,8 @@ class ChainSolver:
         #      live already, a second time (memory.segment_keep with its region).
         #   R: the region over [a, b) as a segment that is not a first child, keyed by
         #      whether its forward is the step's own (top) or recomputed.
-        #   (P and Q are keyed (a, b, after): `after`, the list follows a stored leaf in
-        #    its parent list, matters only where stage a has run_saving.)
-        self.P: dict[tuple[int, int, bool], np.ndarray] = {}
-        self.Q: dict[tuple[int, int, bool], np.ndarray] = {}
+        self.P: dict[tuple[int, int], np.ndarray] = {}
+        self.Q: dict[tuple[int, int], np.ndarray] = {}
         self.B: dict[tuple[int, int], np.ndarray] = {}
         self.R: dict[bool, dict[tuple[int, int], np.ndarray]] = {True: {}, False: {}}
         # units a region's forward needs (region_fwd_peak, memory.forward_need), by top
@@ -163,15 +140,13 @@ class ChainSolver:
         out[:self.fwd_need[(a, c, top)]] = INF  # the budgets its forward does not fit
         return out
 
-    def _first_segments(self, a: int, b: int, mode: str, after: bool = False):
+    def _first_segments(self, a: int, b: int, mode: str):
         """Candidate first segments of a list over [a, b) in table `mode` ("top": P,
         "rest": Q, "body": B): (segment spec, stop, keep, base), keep being the units the
         segment adds to what is live for the segments after it, base its need mask + cost
-        array (a region's including its body's). `after`: the list follows a stored
-        leaf (not for a body). Order fixes tie-breaking."""
+        array (a region's including its body's). Order fixes tie-breaking."""
         chain, body, top = self.chain, mode == "body", mode == "top"
-        leaves = self.leaf_after[top][a] if after and self.paired[a] else self.leaf[top][a]
-        for c, opt, keep, need, cost in leaves:
+        for c, opt, keep, need, cost in self.leaf[top][a]:
             if c > b or (body and c == b and c > a + 1):
                 continue  # past the list, or a span as its region's only child
             if body:  # the region's first child: what it keeps of the region's input is live
@@ -199,8 +174,7 @@ class ChainSolver:
                 return at(base)
             # The last child of a recomputation runs only the forward its kept values need.
             return at(base) + last_child_forward_flops(self.chain.leaf_profile(a, c), opt.name)
-        # run on top of `keep`, after a stored leaf or not
-        rest = self._rest(mode, c, b, self._stored(kind, opt, a, c))
+        rest = (self.P if mode == "top" else self.Q)[(c, b)]  # run on top of `keep`
         fwd = 0.0 if mode == "top" else self.flops_prefix[c] - self.flops_prefix[a]
         if m is not None:
             return INF if m < keep else base[m] + fwd + rest[m - keep]
@@ -212,50 +186,33 @@ class ChainSolver:
                 out[keep:] += fwd
         return out
 
-    @staticmethod
-    def _stored(kind: str, opt, a: int, c: int) -> bool:
-        """Whether a first segment is a stored leaf (memory.is_stored_leaf)."""
-        return kind == "leaf" and c == a + 1 and isinstance(opt.kind, Store)
-
-    def _rest(self, mode: str, c: int, b: int, after: bool) -> np.ndarray:
-        """The table of the list over [c, b) after a first segment ("top": P, else Q)."""
-        return (self.P if mode == "top" else self.Q)[(c, b, after and self.paired[c])]
-
-    def _lists(self, a: int, b: int, after: bool) -> tuple[np.ndarray, np.ndarray]:
-        """P and Q over [a, b) without its region as a whole."""
+    def _fill(self, a: int, b: int) -> None:
         p, q = np.full(self.units + 1, INF), np.full(self.units + 1, INF)
         # P and Q start with the same segments, differing in what follows and its cost,
         # and, where the step's own forward holds other bytes than a recomputation
         # (top_differs: timed gradients, random bits ahead), in their forwards' needs.
-        for (kind, opt), c, keep, base in self._first_segments(a, b, "top", after):
+        for (kind, opt), c, keep, base in self._first_segments(a, b, "top"):
             np.minimum(p, self._value("top", kind, opt, a, b, c, keep, base), out=p)
             if not self.top_differs:
                 np.minimum(q, self._value("rest", kind, opt, a, b, c, keep, base), out=q)
         if self.top_differs:
-            for (kind, opt), c, keep, base in self._first_segments(a, b, "rest", after):
+            for (kind, opt), c, keep, base in self._first_segments(a, b, "rest"):
                 np.minimum(q, self._value("rest", kind, opt, a, b, c, keep, base), out=q)
-        return p, q
-
-    def _fill(self, a: int, b: int) -> None:
-        p, q = self._lists(a, b, False)
-        pa, qa = self._lists(a, b, True) if self.paired[a] else (p, q)
         if b - a >= 2:
             body = np.full(self.units + 1, INF)
             for (kind, opt), c, keep, base in self._first_segments(a, b, "body"):
                 np.minimum(body, self._value("body", kind, opt, a, b, c, keep, base), out=body)
             self.B[(a, b)] = body
-            for top, arrs in ((True, (p, pa)), (False, (q, qa))):
+            for top, arr in ((True, p), (False, q)):
                 region = self._region(a, b, self._region_keep(a, b), top)
                 self.R[top][(a, b)] = region
-                for arr in {id(x): x for x in arrs}.values():
-                    np.minimum(arr, region, out=arr)
-        self.P[(a, b, False)], self.Q[(a, b, False)] = p, q
-        self.P[(a, b, True)], self.Q[(a, b, True)] = pa, qa
+                np.minimum(arr, region, out=arr)
+        self.P[(a, b)], self.Q[(a, b)] = p, q
 
     # -- queries -----------------------------------------------------------------------
 
     def min_feasible_units(self) -> int | None:
-        finite = np.flatnonzero(np.isfinite(self.P[(0, self.n, False)]))
+        finite = np.flatnonzero(np.isfinite(self.P[(0, self.n)]))
         return int(finite[0]) if finite.size else None
 
     def min_feasible_bytes(self) -> int | None:
@@ -265,7 +222,7 @@ class ChainSolver:
 
     def frontier(self) -> list[tuple[int, float]]:
         """(activation budget bytes, least recompute FLOPs) at every step of the curve."""
-        arr = self.P[(0, self.n, False)]
+        arr = self.P[(0, self.n)]
         points, last = [], None
         for m in range(self.units + 1):
             if np.isfinite(arr[m]) and (last is None or arr[m] < last):
@@ -278,18 +235,15 @@ class ChainSolver:
         if self.store_all is not None and self.store_all.activation_peak_bytes <= activation_budget:
             return self.store_all
         m = min(self.units, max(-1, activation_budget // self.quantum))
-        if m < 0 or not np.isfinite(self.P[(0, self.n, False)][m]):
+        if m < 0 or not np.isfinite(self.P[(0, self.n)][m]):
             return None
         segments = tuple(self._recover(0, self.n, m, "top"))
         peak, cost = simulate(self.chain, segments)
         return Solution(segments, cost, peak)
 
-    def _recover(self, a: int, b: int, m: int, mode: str, after: bool = False) -> list[Segment]:
-        if mode == "body":
-            target = self.B[(a, b)][m]
-        else:
-            target = (self.P if mode == "top" else self.Q)[(a, b, after and self.paired[a])][m]
-        for (kind, opt), c, keep, base in self._first_segments(a, b, mode, after):
+    def _recover(self, a: int, b: int, m: int, mode: str) -> list[Segment]:
+        target = {"top": self.P, "rest": self.Q, "body": self.B}[mode][(a, b)][m]
+        for (kind, opt), c, keep, base in self._first_segments(a, b, mode):
             val = self._value(mode, kind, opt, a, b, c, keep, base, m)
             if np.isfinite(val) and math.isclose(val, target, rel_tol=1e-9, abs_tol=1e-6):
                 if kind == "leaf":
@@ -297,8 +251,7 @@ class ChainSolver:
                 else:  # its body runs on top of the `keep` units it added
                     seg = Segment(a, c, NOTHING, (), tuple(self._recover(a, c, m - keep, "body")))
                 rest = [] if c == b else self._recover(c, b, m - keep,
-                                                         "top" if mode == "top" else "rest",
-                                                         self._stored(kind, opt, a, c))
+                                                         "top" if mode == "top" else "rest")
                 return [seg, *rest]
         raise AssertionError(f"DP recovery failed at [{a}, {b}) m={m}")  # tables inconsistent
 

@@ -599,52 +599,6 @@ def fact_returned_loss_held() -> list[str]:
             "|---|---|---|", *rows]
 
 
-def fact_stored_run_keeps_less() -> list[str]:
-    """Residual blocks relu(h + bn(conv(relu(bn(conv(h)))))) at 4 x 32 x 32 x 16 (256 KiB
-    of activations), BatchNorm over the batch: what XLA keeps from the forward for the
-    backward (hlo.kept_bytes of the forward+backward compiled together, every argument an
-    input) for one block alone and for k blocks compiled together, all stored; and for
-    plain conv-BatchNorm-ReLU layers without the skip."""
-    from remat_planner.memory import measure_compiler_options
-    b, hw, c = 4, 32, 16
-
-    def conv_bn(w, g, h):
-        y = jax.lax.conv_general_dilated(h, w, (1, 1), "SAME",
-                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
-        mu, var = jnp.mean(y, axis=(0, 1, 2)), jnp.var(y, axis=(0, 1, 2))
-        return (y - mu) * jax.lax.rsqrt(var + 1e-5) * g
-
-    def residual(w, g, h):
-        return jax.nn.relu(h + conv_bn(w, g, jax.nn.relu(conv_bn(w, g, h))))
-
-    blocks = {"residual": residual, "no skip": lambda w, g, h: jax.nn.relu(conv_bn(w, g, h))}
-    rows = []
-    for label, block in blocks.items():
-        kept = []
-        for k in (1, 2, 3, 4):
-            def f(ws, gs, h, block=block):
-                for w, g in zip(ws, gs):
-                    h = block(w, g, h)
-                return h
-
-            def fwd_bwd(ws, gs, h, ct, f=f):
-                _, vjp = jax.vjp(f, ws, gs, h)
-                return vjp(ct)
-
-            x = jax.ShapeDtypeStruct((b, hw, hw, c), jnp.float32)
-            args = ([jax.ShapeDtypeStruct((3, 3, c, c), jnp.float32)] * k,
-                    [jax.ShapeDtypeStruct((c,), jnp.float32)] * k, x, x)
-            text = jax.jit(fwd_bwd, keep_unused=True).lower(*args).compile(
-                measure_compiler_options()).as_text()
-            n_in = 2 * k + 1  # entry parameters: weights, scales, the input, then the cotangent
-            kept.append(hlo.kept_bytes(text, {n_in - 1}, {n_in}))
-        adds = [kept[0]] + [kept[i] - kept[i - 1] for i in range(1, 4)]
-        rows.append(f"| {label} | {' | '.join(f'{v:,}' for v in kept)} | "
-                    f"{' / '.join(f'{v:,}' for v in adds)} |")
-    return ["| block | kept, 1 block | 2 blocks | 3 blocks | 4 blocks | added by each block |",
-            "|---|---|---|---|---|---|", *rows]
-
-
 def main() -> None:
     print(f"jax {jax.__version__}, backend {jax.default_backend()}\n")
     for title, fact in (("1. The CPU compiler option", fact_cpu_option),
@@ -670,9 +624,7 @@ def main() -> None:
                         ("13. A returned loss is computed after its head's backward",
                          fact_returned_loss_held),
                         ("15. A max pooling's gradient is scattered into zeros made at the start",
-                         fact_pooling_zeros_early),
-                        ("16. A run of stored stages keeps less than its stages alone",
-                         fact_stored_run_keeps_less)):
+                         fact_pooling_zeros_early)):
         print(f"## {title}\n")
         print("\n".join(fact()) + "\n", flush=True)
 

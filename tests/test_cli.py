@@ -235,7 +235,6 @@ def test_infeasible_budget_exits_3_and_names_a_budget(capsys, verified_run):
 # train
 # ------------------------------------------------------------------------------------------
 
-@pytest.mark.slow  # about 25 s: in CI's second part, to keep the quick part under 5 minutes
 def test_train_loss_goes_down(capsys):
     code, out, err = run(capsys, "train", TINY, "--budget", "20MB", "--steps", "30", "--json")
     assert code == 0, err

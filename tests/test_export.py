@@ -332,7 +332,6 @@ def test_the_example_plans_whole_blocks_and_its_hand_written_form_matches():
     assert _close(hand.flops, plan.measured_flops)
 
 
-@pytest.mark.slow  # about 25 s: in CI's second part, to keep the quick part under 5 minutes
 def test_mixed_rules_per_block_on_an_hf_style_bert_equal_the_replay():
     """bert_encoder (tests/corpus.py: HF-style module tree, stock
     nn.MultiHeadDotProductAttention): at 75% of the no-remat peak the whole-module plan

@@ -38,11 +38,7 @@ def chains(draw, max_stages: int = 4) -> ChainModel:
         stages.append(StageProfile(f"s{i}", float(flops), tuple(options),
                                    draw(st.integers(0, 4)), draw(st.integers(0, 4))))
     boundary = [0] + [draw(st.integers(1, 5)) for _ in range(n - 1)] + [0]
-    # some stages hold less (or more) right after a stored stage (run_saving)
-    shared = tuple(0 if k == 0 or not draw(st.booleans())
-                   else draw(st.integers(-3, stages[k].options[0].keep_bytes))
-                   for k in range(n)) if draw(st.booleans()) else ()
-    return ChainModel(tuple(stages), tuple(boundary), run_saving=shared)
+    return ChainModel(tuple(stages), tuple(boundary))
 
 
 @st.composite
@@ -122,26 +118,6 @@ def _check_dp_against_brute_force(chain: ChainModel) -> None:
 @given(chains())
 def test_dp_equals_brute_force_at_every_budget(chain):
     _check_dp_against_brute_force(chain)
-
-
-def test_the_dp_charges_a_stored_stage_less_after_a_stored_stage():
-    """ChainModel.run_saving: stage 1 stored right after stored stage 0 keeps 8 bytes
-    less (XLA recomputes its input from what stage 0 keeps). At a budget only that
-    saving fits, the DP stores both (and checkpoints the stage too dear to store), as
-    brute force does; without the saving it cannot."""
-    def stage(i, store):
-        return StageProfile(f"s{i}", 10.0, (KeepOption(STORE, (), store, 0.0),
-                                             KeepOption(NOTHING, (), 1, 10.0)), 0, 0)
-
-    chain = ChainModel((stage(0, 10), stage(1, 10), stage(2, 100)), (0, 1, 1, 0),
-                       run_saving=(0, 8, 0))
-    budget = simulate(chain, (Segment(0, 1, STORE), Segment(1, 2, STORE),
-                              Segment(2, 3, NOTHING)))[0]
-    solved = ChainSolver(chain, 200, resolution=200).solve(budget)
-    assert [s.option for s in solved.segments] == [STORE, STORE, NOTHING]
-    assert solved.recompute_flops == brute_force(chain, budget).recompute_flops == 10.0
-    unsaved = dataclasses.replace(chain, run_saving=())
-    assert ChainSolver(unsaved, 200, resolution=200).solve(budget).recompute_flops > 10.0
 
 
 @st.composite

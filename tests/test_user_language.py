@@ -89,6 +89,19 @@ def test_infeasible_budget_error_speaks_the_budgets_family():
     assert " GB" not in text and e.exit_code == 3
 
 
+@pytest.mark.parametrize(("budget", "ours", "other"), [("19.5MiB", "MiB", " MB"),
+                                                       ("20MB", " MB", "MiB"),
+                                                       ("20000000", " MB", "MiB")])
+def test_cli_report_in_the_family_typed_json_in_bytes(capsys, budget, ours, other):
+    code, out, err = run(capsys, TINY, "--budget", budget, "--no-verify", "--no-compare")
+    assert code == 0, err
+    assert ours in out and other not in out, out
+    code, out, err = run(capsys, TINY, "--budget", budget, "--no-verify", "--no-compare",
+                         "--json")
+    assert code == 0, err
+    assert json.loads(out)["budget_bytes"] == parse_budget(budget)
+
+
 def test_flops_shown_in_a_unit_that_shows_them():
     assert format_flops(6.17e6) == "6.17 MFLOP"
     assert format_flops(1.39e9) == "1.39 GFLOP"
@@ -313,6 +326,15 @@ def test_bad_flag_value_names_the_flag(capsys, flags, flag):
     assert line.startswith(f"remat-plan: error: {flag}: "), line
 
 
+def test_model_table_reads_booleans_and_says_no_remat_needed(capsys):
+    code, out, err = run(capsys, TINY, "--budget", "1GB", "--no-verify", "--no-compare")
+    assert code == 0, err
+    assert re.search(r"scan_layers\s*│\s*no\s", out), out
+    assert "no remat needed" in out
+    code, out, err = run(capsys, TINY, "--budget", "20MB", "--no-verify", "--no-compare")
+    assert "no remat needed" not in out
+
+
 # ------------------------------------------------------------------------------------------
 # 1. frontier.md and frontier.png in one family (formatting of a small hand-made frontier)
 # ------------------------------------------------------------------------------------------
@@ -375,6 +397,35 @@ def test_saved_scan_plan_prints_its_layers_in_words(capsys, tmp_path):
     assert scheme not in text and "4 layers" in text
     assert "attention keeps" in text and "MLP keeps" in text, text
     assert "4 layers" in out and "attention keeps" in out
+
+
+def test_time_prediction_shown_only_under_the_time_cost_model(capsys):
+    code, out, err = run(capsys, TINY, "--budget", "20MB", *SMALL, "--no-verify", "--no-compare")
+    assert code == 0, err
+    assert "recompute time" not in out and "plan: recompute overhead" in out
+    code, out, err = run(capsys, TINY, "--budget", "20MB", *SMALL, "--no-verify", "--no-compare",
+                         "--cost-model", "time")
+    assert code == 0, err
+    line = next(l for l in out.splitlines() if "plan: recompute time" in l)
+    assert "predicted" in line and "roofline" in line  # shown with what it means
+
+
+def test_explain_speaks_in_flops_units_and_names(capsys):
+    code, out, err = run(capsys, "explain", TINY, "--budget", "12MiB", *SMALL, "--no-verify")
+    assert code == 0, err
+    assert "0.0 GFLOP" not in out and "eqns[" not in out and "named value" not in out
+    assert re.search(r"recomputes \d+\.\d\d [kM]FLOP \(\d+\.\d\d% of the step\)", out), out
+    assert "loss (softmax cross-entropy)" in out and "MiB" in out and " MB" not in out
+
+
+def test_infeasible_budget_names_sizes_in_the_budgets_family(capsys):
+    code, out, err = run(capsys, TINY, "--budget", "11MiB", *SMALL, "--no-verify")
+    assert code == 3 and out == ""
+    line = _one_line(err)
+    assert "budget 11.00 MiB is below the smallest feasible plan" in line
+    suggested = re.search(r"raise --budget to at least ([0-9.]+ MiB)$", line)
+    assert suggested and " GB" not in line and " MB" not in line, line
+    assert parse_budget(suggested.group(1).replace(" ", "")) > parse_budget("11MiB")
 
 
 def test_plain_jax_code_is_named_by_what_it_computes():
