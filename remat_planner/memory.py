@@ -712,7 +712,12 @@ def dot_outputs(program: Program, start: int, stop: int, rule: str) -> tuple[int
 
 
 def _structure_key(program: Program, start: int, stop: int, ins, outs) -> str:
-    """Same key <=> same computation up to renaming of values (identical blocks)."""
+    """Same key <=> same computation up to renaming of values (identical blocks).
+
+    An integer literal counts by its type alone: blocks differ in the salt each folds
+    into its dropout key (random_fold_in of a per-layer constant) or in an index, which
+    changes no shape, byte or FLOP; a float literal counts by its value (XLA simplifies
+    a product by 1.0 away)."""
     local = {v: i for i, v in enumerate(ins)}
     h = hashlib.sha256()
     for v in ins:
@@ -720,12 +725,20 @@ def _structure_key(program: Program, start: int, stop: int, ins, outs) -> str:
     for e in program.eqns[start:stop]:
         args = []
         for v in e.invars:
-            args.append(f"L{v.val!r}" if isinstance(v, Literal) else str(local.get(v, "?")))
+            args.append(_literal_key(v) if isinstance(v, Literal) else str(local.get(v, "?")))
         for v in e.outvars:
             local[v] = len(local)
         h.update(f"{e.name}|{sorted((k, repr(p)) for k, p in e.params.items())}|{args};".encode())
     h.update(str([local[v] for v in outs]).encode())
     return h.hexdigest()
+
+
+def _literal_key(v: Literal) -> str:
+    """_structure_key's text for a literal operand."""
+    dtype = np.dtype(v.val.dtype) if hasattr(v.val, "dtype") else np.asarray(v.val).dtype
+    if np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.bool_):
+        return f"L{dtype}{list(np.shape(v.val))}"
+    return f"L{v.val!r}"
 
 
 def profile_stages(program: Program, cost: CostGraph, *, measure_xla: bool = True,

@@ -283,6 +283,21 @@ def _dropout_mlp(n_layers: int = 6, rows: int = 256, d: int = 128):
     return loss, params, batch
 
 
+def test_layers_differing_only_in_their_dropout_salt_share_one_profile():
+    """Each layer folds its own constant into the dropout key (an integer literal of the
+    program): that changes no shape, byte or FLOP, so the layers are profiled once, not
+    once per layer (memory._structure_key)."""
+    loss, params, batch = _dropout_mlp()
+    program = trace(loss, params, *batch)
+    cost = build_cost_graph(program)
+    messages: list[str] = []
+    chain = profile_stages(program, cost, measure_xla=False, progress=messages.append)
+    names = [s.name for s in chain.stages]
+    assert len(names) >= 6, names
+    # the first layer (no gradient flows into its input) and the loss's stage differ
+    assert len(messages) <= 3, (messages, names)
+
+
 def test_random_bits_of_later_stages_are_live_in_the_forward():
     """Dropout's random bits are generated at the start of the forward (docs/jax-facts.md,
     fact 8): a stage's bits, a pair of uint32 arrays of its mask's shape, are charged from
