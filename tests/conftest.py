@@ -30,9 +30,15 @@ if os.environ.get("REMAT_TEST_COMPILE_CACHE", "1") != "0":
 
 # The longest files first: `pytest -n 2 --dist loadfile` hands whole files to the two
 # workers in collection order, so a long file collected last would run alone at the end
-# (measured: the reliability sweep, collected last, ran ~10 minutes on one worker).
-_LONGEST_FIRST = ("test_sweep.py", "test_sweep_b.py", "test_reliability.py", "test_nonchain.py",
-                  "test_frontier.py", "test_models.py", "test_sharding.py")
+# (measured: the reliability sweep, collected last, ran ~10 minutes on one worker). Order
+# by the slow part's time per file (measured at b2f479d, seconds of test time: corpus
+# 1,668, split since into test_corpus.py ~906 and test_corpus_b.py ~761, sweep_b 555,
+# sweep 419, sharding 402, scan 203, models 168, frontier 139, pipeline 127, closed_loop
+# 124, nonchain 98); the files not named follow.
+_LONGEST_FIRST = ("test_corpus.py", "test_corpus_b.py", "test_sweep_b.py", "test_sweep.py", "test_sharding.py",
+                  "test_scan.py", "test_models.py", "test_frontier.py", "test_pipeline.py",
+                  "test_closed_loop.py", "test_nonchain.py", "test_closed_loop_recovery.py",
+                  "test_reliability.py")
 
 
 def pytest_collection_modifyitems(items):
