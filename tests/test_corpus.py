@@ -6,10 +6,13 @@ Per model, at the XLA peak of each built-in policy applied per block in the mode
 source (`nn.remat(Block, policy=...)`, as a user writes it), one fresh `rp.plan` call must
 fit (XLA's peak within the budget) and recompute no more than the built-in (XLA's FLOPs,
 within REUSE_TOLERANCE of the step's, below which XLA's fusion decides). The plan at the
-tightest of those budgets must give the unplanned step's gradients. Those two compile
-dozens of steps per model and run in CI's slow part (`-m slow`); the stage finder's check
-runs always. Where the planner does not yet meet the rule, the case is a strict xfail
-whose reason gives the measured figures (KNOWN_MISSES), so that a fix shows.
+tightest of those budgets must give the unplanned step's gradients. And the memory
+model, uncalibrated, must predict XLA's peak within 3% on every plan of
+tests/error_plans.py, but for the plans MODEL_ERROR_OUT lists with their measured error.
+Those compile dozens of steps per model and run in CI's slow part (`-m slow`); the stage
+finder's check runs always. Where the planner does not yet meet the never-worse rule, the
+case is a strict xfail whose reason gives the measured figures (KNOWN_MISSES), so that a
+fix shows.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 import pytest
 
 import corpus
+import error_plans
 import remat_planner as rp
 from remat_planner.apply import block_ranges
 from remat_planner.baselines import POLICIES  # JAX's built-in policies, name -> policy
@@ -141,6 +145,62 @@ def test_planned_gradients_equal_unplanned(name):
 @pytest.mark.parametrize("name", half(second=False))
 def test_five_budgets_fit_and_beat_every_builtin_that_fits(name):
     check_five_budgets(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", half(second=False))
+def test_model_predicts_xla_within_tolerance(name):
+    check_model_error(name)
+
+
+# (model, plan of tests/error_plans.py) whose uncalibrated prediction is not yet within
+# error_plans.TOLERANCE (3%) of XLA's peak, with the error measured at 126fab2 (jax 0.10.2,
+# scripts/model_error.py). The other plans of each model are within it.
+MODEL_ERROR_OUT: dict[tuple[str, str], str] = {
+    # in the forward, the random-bit loops' buffers XLA keeps besides the bits (fact 8)
+    # and 168,208 B of temp allocated but not live at the peak
+    ("hf_gpt2", "ckpt"): "-5.21%",
+    ("hf_gpt2", "block0"): "-5.13%",
+    ("hf_gpt2", "solve0"): "-5.21%",
+    ("hf_gpt2", "solve0.25"): "-6.51%",
+    ("hf_gpt2", "solve0.5"): "-5.75%",
+    ("bert_encoder", "block1"): "-6.54%",
+    ("bert_encoder", "block2"): "-3.79%",
+    ("scan_lm", "solve0.25"): "-4.50%",
+    ("scan_lm", "solve0.5"): "-5.62%",
+    # a stored residual conv-BatchNorm block's input, recomputed by XLA from the block
+    # before's buffers instead of held, is charged in full
+    ("cnn_bn", "store"): "+19.16%",
+    ("cnn_bn", "ckpt"): "+5.34%",
+    ("cnn_bn", "block1"): "+3.89%",
+    ("cnn_bn", "solve0.25"): "+14.82%",
+    ("cnn_bn", "solve0.5"): "+5.92%",
+    ("cnn_bn", "solve0.75"): "+14.35%",
+    ("cnn_bn", "solve0.95"): "+18.29%",
+    ("unet", "solve0"): "-6.46%",
+    ("mlp_mixer", "ckpt"): "-3.11%",
+    ("resnet_maxpool", "store"): "+4.93%",
+    ("resnet_maxpool", "block0"): "+3.59%",
+    ("resnet_maxpool", "block1"): "+3.59%",
+    ("resnet_maxpool", "solve0.25"): "+5.53%",
+    ("resnet_maxpool", "solve0.5"): "+5.53%",
+    ("resnet_maxpool", "solve0.75"): "+5.53%",
+    ("resnet_maxpool", "solve0.95"): "+5.53%",
+}
+
+
+def check_model_error(name: str) -> None:
+    """Every plan of tests/error_plans.py, compiled: the uncalibrated memory model within
+    3% of XLA's peak, except the plans MODEL_ERROR_OUT names, which must still be outside
+    it (so that a fix, or a change in which plans the solver picks, shows)."""
+    _, rows = error_plans.measure(name)
+    errors = {row.label: row.raw for row in rows}
+    report = ", ".join(f"{label} {e:+.2%}" for label, e in errors.items())
+    out = {label for label, e in errors.items() if abs(e) > error_plans.TOLERANCE}
+    known = {label for model, label in MODEL_ERROR_OUT if model == name}
+    assert out <= known, f"{name}: outside 3% of XLA: {sorted(out - known)}; all: {report}"
+    assert known <= out, (f"{name}: now within 3% of XLA (take them out of MODEL_ERROR_OUT): "
+                          f"{sorted(known - out)}; all: {report}")
 
 
 def check_never_worse(name: str, policy: str) -> None:

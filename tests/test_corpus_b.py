@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from test_corpus import (cases, check_five_budgets, check_never_worse, check_planned_gradients,
-                         half)
+from test_corpus import (cases, check_five_budgets, check_model_error, check_never_worse,
+                         check_planned_gradients, half)
 
 # Whole-step compiles at several budgets: left out of the README's test command, run by
 # .ci/run's second part (`-m slow`).
@@ -26,3 +26,8 @@ def test_planned_gradients_equal_unplanned(name):
 @pytest.mark.parametrize("name", half(second=True))
 def test_five_budgets_fit_and_beat_every_builtin_that_fits(name):
     check_five_budgets(name)
+
+
+@pytest.mark.parametrize("name", half(second=True))
+def test_model_predicts_xla_within_tolerance(name):
+    check_model_error(name)
