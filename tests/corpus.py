@@ -4,10 +4,13 @@ The project's own zoo (remat_planner/models/) was written alongside the planner 
 conventions. The models here deliberately do not: they copy the styles found in the wild
 (HuggingFace-Flax module trees with blocks named "0", "1", ...; `nn.compact` with auto names;
 `nn.scan` stacks; flax.nnx; plain JAX with a dict of arrays; BatchNorm state; U-Net skips;
-MLP-Mixer; the Flax examples' ResNet with its `nn.max_pool` stem), so that a planner that
-only works on the zoo's shapes shows up here. Nothing is imported from remat_planner.
+MLP-Mixer; the Flax examples' ResNet with its `nn.max_pool` stem; a ViT with a class token
+and gradient clipping; a hand-written Llama with rotary tables, bfloat16 compute and Lion),
+so that a planner that only works on the zoo's shapes shows up here. Nothing is imported
+from remat_planner.
 
-Every model is tiny (a whole AdamW step compiles in a few seconds on CPU) and float32.
+Every model is tiny (a whole step compiles in a few seconds on CPU), with float32
+parameters.
 
 `MODELS` maps a name to a builder; `get(name)` builds once and caches. Each builder returns a
 `CorpusModel` whose `make_remat_loss(policies)` wraps block i by hand, as a user would
@@ -52,6 +55,10 @@ class CorpusModel:
         init: `init(key)` -> `(params, batch)`, concrete arrays with the abstract shapes, for
             gradient checks (values from NumPy, see `_fill`; not traceable).
         supports_mixes: False when only uniform policy tuples are accepted (nn.scan stacks).
+        gradient_rtol: How close a remat variant's gradients must be to loss_fn's: float32
+            compute recomputes the same values; bfloat16 compute may round a recomputed
+            value differently where XLA fuses it otherwise (the gradient checks' tolerance,
+            nothing the planner reads).
     """
 
     name: str
@@ -64,6 +71,7 @@ class CorpusModel:
     make_remat_loss: Callable[[tuple[Policy, ...]], Callable]
     init: Callable[[jax.Array], tuple[Any, tuple]]
     supports_mixes: bool = True
+    gradient_rtol: float = 1e-5
 
 
 def _check_policies(policies, n_blocks: int) -> tuple[Policy, ...]:
@@ -124,7 +132,7 @@ def _fill(abstract, rng: np.random.Generator):
 
 
 def _model(name, loss_fn, params, make_batch, optimizer, n_blocks, build, *, has_aux=False,
-           supports_mixes=True):
+           supports_mixes=True, gradient_rtol=1e-5):
     """A CorpusModel from abstract params and `make_batch(rng) -> tuple of arrays`."""
 
     def init(key):
@@ -137,7 +145,7 @@ def _model(name, loss_fn, params, make_batch, optimizer, n_blocks, build, *, has
         name=name, loss_fn=loss_fn, params=params, batch=batch, optimizer=optimizer,
         has_aux=has_aux, n_blocks=n_blocks,
         make_remat_loss=_remat_maker(loss_fn, n_blocks, build), init=init,
-        supports_mixes=supports_mixes)
+        supports_mixes=supports_mixes, gradient_rtol=gradient_rtol)
 
 
 def _init_shapes(init_fn, *batch):
@@ -1154,6 +1162,200 @@ def _resnet_maxpool() -> CorpusModel:
     return _batchnorm_classifier("resnet_maxpool", PoolResNet, 8, 64, (2, 2))
 
 
+# ---------------------------------------------------------------------------------------------
+# 11. vit: the big_vision / Flax-examples ViT layout: a patch convolution, a class token and a
+#     learned position embedding, blocks held in a list made in setup (blocks_<i>), attention
+#     and MLP dropout on, the class token's output classified; optax.chain of
+#     clip_by_global_norm and AdamW, so the update needs every gradient first.
+# ---------------------------------------------------------------------------------------------
+
+
+class VitMlp(nn.Module):
+    dim: int
+    hidden: int
+    rate: float = 0.1
+
+    @nn.compact
+    def __call__(self, x, deterministic):
+        y = nn.Dense(self.hidden)(x)
+        y = nn.gelu(y)
+        y = nn.Dropout(self.rate)(y, deterministic=deterministic)
+        y = nn.Dense(self.dim)(y)
+        return nn.Dropout(self.rate)(y, deterministic=deterministic)
+
+
+class Encoder1DBlock(nn.Module):
+    dim: int
+    heads: int
+
+    def setup(self):
+        self.ln1 = nn.LayerNorm()
+        self.attn = nn.MultiHeadDotProductAttention(num_heads=self.heads, dropout_rate=0.1)
+        self.ln2 = nn.LayerNorm()
+        self.mlp = VitMlp(self.dim, 4 * self.dim)
+
+    def __call__(self, x, deterministic):
+        h = self.ln1(x)
+        h = self.attn(h, h, deterministic=deterministic)
+        x = x + h
+        return x + self.mlp(self.ln2(x), deterministic)
+
+
+class ViT(nn.Module):
+    depth: int = 4
+    dim: int = 64
+    heads: int = 4
+    patch: int = 4
+    classes: int = 10
+    policies: tuple | None = None
+
+    def setup(self):
+        self.embed = nn.Conv(self.dim, (self.patch, self.patch), strides=(self.patch, self.patch),
+                             padding="VALID")
+        self.cls = self.param("cls", nn.initializers.zeros, (1, 1, self.dim))
+        self.pos = self.param("pos_embedding", nn.initializers.normal(0.02), (1, 65, self.dim))
+        blocks = []
+        for i in range(self.depth):  # the names a list attribute gets: blocks_<i>
+            p = None if self.policies is None else self.policies[i]
+            cls = (Encoder1DBlock if p is None
+                   else nn.remat(Encoder1DBlock, policy=p, static_argnums=(2,)))
+            blocks.append(cls(self.dim, self.heads, name=f"blocks_{i}"))
+        self.blocks = blocks
+        self.norm = nn.LayerNorm()
+        self.head = nn.Dense(self.classes)
+
+    def __call__(self, img, train=True):
+        x = self.embed(img)
+        b, h, w, c = x.shape
+        x = x.reshape(b, h * w, c)
+        x = jnp.concatenate([jnp.tile(self.cls, (b, 1, 1)), x], axis=1) + self.pos
+        for blk in self.blocks:
+            x = blk(x, not train)
+        return self.head(self.norm(x[:, 0]))
+
+
+def _vit() -> CorpusModel:
+    depth, bs = 4, 8
+
+    def make_loss(policies):
+        m = ViT(depth=depth, policies=policies)
+
+        def loss_fn(params, images, labels, key):
+            logits = m.apply({"params": params}, images, rngs={"dropout": key})
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        return loss_fn
+
+    def make_batch(rng):
+        return (rng.standard_normal((bs, 32, 32, 3)).astype(np.float32),
+                rng.integers(0, 10, (bs,), dtype=np.int32), _raw_key(rng))
+
+    params = _init_shapes(lambda k, x: ViT(depth=depth).init(k, x, train=False)["params"],
+                          make_batch(np.random.default_rng(0))[0])
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.05))
+    return _model("vit", make_loss(None), params, make_batch, opt, depth, make_loss)
+
+
+# ---------------------------------------------------------------------------------------------
+# 12. llama_rope: a Llama-style decoder written by hand: rotary tables computed once and passed
+#     to every layer, RMSNorm, SwiGLU, bfloat16 compute on float32 parameters (Dense(dtype=
+#     bfloat16)), a causal mask built inside each layer; optax.lion.
+# ---------------------------------------------------------------------------------------------
+
+
+def _rope_tables(seq, hd):
+    inv = 1.0 / (10000 ** (jnp.arange(0, hd, 2) / hd))
+    t = jnp.arange(seq)[:, None] * inv[None]
+    return jnp.sin(t), jnp.cos(t)
+
+
+def _apply_rope(x, sin, cos):
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    s, c = sin[None, :, None, :], cos[None, :, None, :]
+    return jnp.stack([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).reshape(x.shape)
+
+
+class RMSNorm(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("weight", nn.initializers.ones, (x.shape[-1],))
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6)
+        return (y * w).astype(x.dtype)
+
+
+class LlamaLayer(nn.Module):
+    dim: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, x, sin, cos):
+        b, s, d = x.shape
+        hd = d // self.heads
+        h = RMSNorm(name="input_layernorm")(x)
+
+        def dense(name, features):
+            return nn.Dense(features, use_bias=False, dtype=jnp.bfloat16, name=name)
+
+        q = dense("q_proj", d)(h).reshape(b, s, self.heads, hd)
+        k = dense("k_proj", d)(h).reshape(b, s, self.heads, hd)
+        v = dense("v_proj", d)(h).reshape(b, s, self.heads, hd)
+        q, k = _apply_rope(q, sin, cos), _apply_rope(k, sin, cos)
+        att = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(hd)
+        att = jnp.where(jnp.tril(jnp.ones((s, s), bool)), att, -1e9)
+        att = jax.nn.softmax(att, -1).astype(jnp.bfloat16)
+        o = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, d)
+        x = x + dense("o_proj", d)(o)
+        h = RMSNorm(name="post_attention_layernorm")(x)
+        g = dense("gate_proj", 3 * d)(h)
+        u = dense("up_proj", 3 * d)(h)
+        return x + dense("down_proj", d)(nn.silu(g) * u)
+
+
+class Llama(nn.Module):
+    vocab: int = 512
+    dim: int = 64
+    heads: int = 4
+    layers: int = 4
+    policies: tuple | None = None
+
+    @nn.compact
+    def __call__(self, ids):
+        x = nn.Embed(self.vocab, self.dim, dtype=jnp.bfloat16, name="embed_tokens")(ids)
+        sin, cos = _rope_tables(ids.shape[1], self.dim // self.heads)
+        for i in range(self.layers):
+            p = None if self.policies is None else self.policies[i]
+            cls = LlamaLayer if p is None else nn.remat(LlamaLayer, policy=p)
+            x = cls(self.dim, self.heads, name=f"layers_{i}")(x, sin, cos)
+        x = RMSNorm(name="norm")(x)
+        logits = nn.Dense(self.vocab, use_bias=False, dtype=jnp.bfloat16, name="lm_head")(x)
+        return logits.astype(jnp.float32)
+
+
+def _llama_rope() -> CorpusModel:
+    layers, bs, seq = 4, 4, 64
+
+    def make_loss(policies):
+        m = Llama(layers=layers, policies=policies)
+
+        def loss_fn(params, ids):
+            logits = m.apply({"params": params}, ids[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+        return loss_fn
+
+    def make_batch(rng):
+        return (_tokens(rng, bs, seq + 1, 512),)
+
+    params = _init_shapes(lambda k, x: Llama(layers=layers).init(k, x[:, :-1])["params"],
+                          make_batch(np.random.default_rng(0))[0])
+    # nn.remat(nothing_saveable) per layer: the embedding's gradient within 3e-4 of the
+    # largest gradient (bfloat16 rounding of the recomputed forward)
+    return _model("llama_rope", make_loss(None), params, make_batch, optax.lion(1e-4), layers,
+                  make_loss, gradient_rtol=1e-2)
+
+
 MODELS: dict[str, Callable[[], CorpusModel]] = {
     "hf_gpt2": _hf_gpt2,
     "selfattn_gpt": _selfattn_gpt,
@@ -1165,6 +1367,8 @@ MODELS: dict[str, Callable[[], CorpusModel]] = {
     "unet": _unet,
     "mlp_mixer": _mlp_mixer,
     "resnet_maxpool": _resnet_maxpool,
+    "vit": _vit,
+    "llama_rope": _llama_rope,
 }
 
 

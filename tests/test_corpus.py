@@ -34,7 +34,8 @@ from remat_planner.trace import trace
 
 
 # Models whose blocks are identical copies (a U-Net's and a CNN's change width).
-UNIFORM_BLOCKS = ("hf_gpt2", "selfattn_gpt", "bert_encoder", "plain_jax", "nnx_lm", "mlp_mixer")
+UNIFORM_BLOCKS = ("hf_gpt2", "selfattn_gpt", "bert_encoder", "plain_jax", "nnx_lm", "mlp_mixer",
+                  "vit", "llama_rope")
 
 
 def _measure(m: corpus.CorpusModel, loss_fn) -> rp.Measurement:
@@ -43,13 +44,19 @@ def _measure(m: corpus.CorpusModel, loss_fn) -> rp.Measurement:
 
 # (model, built-in) cases where one fresh rp.plan call does not yet fit the built-in's
 # peak and recompute no more, with what was measured (jax 0.10.2, 2-core CPU).
-KNOWN_MISSES: dict[tuple[str, str], str] = {}
+KNOWN_MISSES: dict[tuple[str, str], str] = {
+    ("llama_rope", "dots_saveable"): (
+        "at the built-in's peak, 7,484,864 B, the plan recomputes 2.76% against 2.36%: the "
+        "planner's own rendition of dots per layer compiles to 7,487,936 B, 3,072 B more "
+        "temp than the user's nn.remat with the same live peak (6,435,360 B; its HLO has one "
+        "instruction more), and the model puts it 8.3% over XLA, so the loop ends elsewhere"),
+}
 # The slow checks of these models run from tests/test_corpus_b.py, a file of its own so
 # that `pytest -n 2 --dist loadfile` runs the two halves side by side (measured at
 # b2f479d, seconds of slow test time per model: hf_gpt2 333, bert_encoder 228,
 # selfattn_gpt 197, unet 194, plain_jax 160, mlp_mixer 129, cnn_bn 125, nnx_lm 121,
-# scan_lm 94, resnet_maxpool 86).
-SECOND_HALF = ("bert_encoder", "selfattn_gpt", "mlp_mixer", "nnx_lm", "resnet_maxpool")
+# scan_lm 94, resnet_maxpool 86; and at 9be9143, vit 181, llama_rope 125).
+SECOND_HALF = ("bert_encoder", "selfattn_gpt", "mlp_mixer", "nnx_lm", "resnet_maxpool", "vit")
 
 
 def half(second: bool) -> list[str]:
@@ -186,6 +193,22 @@ MODEL_ERROR_OUT: dict[tuple[str, str], str] = {
     ("resnet_maxpool", "solve0.5"): "+5.53%",
     ("resnet_maxpool", "solve0.75"): "+5.53%",
     ("resnet_maxpool", "solve0.95"): "+5.53%",
+    # measured at 9be9143 plus the model, never seen by the model before
+    ("vit", "store"): "+10.12%",
+    ("vit", "ckpt"): "+3.54%",
+    ("vit", "block1"): "-9.72%",
+    ("vit", "block2"): "-5.09%",
+    ("vit", "solve0.5"): "+16.21%",
+    ("vit", "solve0.75"): "+12.45%",
+    ("vit", "solve0.95"): "+10.49%",
+    # XLA copies Lion's momentum and parameters into temp at the step's start
+    ("llama_rope", "ckpt"): "-15.01%",
+    ("llama_rope", "block0"): "-9.95%",
+    ("llama_rope", "block1"): "+6.69%",
+    ("llama_rope", "block2"): "+8.26%",
+    ("llama_rope", "solve0"): "-25.31%",
+    ("llama_rope", "solve0.5"): "+6.33%",
+    ("llama_rope", "solve0.75"): "+3.37%",
 }
 
 
@@ -233,9 +256,14 @@ def check_planned_gradients(name: str) -> None:
         l1, g1 = jax.value_and_grad(planned)(params, *batch)
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
     assert jax.tree.structure(g1) == jax.tree.structure(g0)
+    # a leaf's own scale, but not below 1e-3 of the largest gradient: some gradients are
+    # zero up to rounding (an attention key bias's: the corpus ViT's are ~1e-9 of 0.5)
+    largest = max(float(np.abs(np.asarray(y)).max()) for y in jax.tree.leaves(g0))
     for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
         y = np.asarray(y)
-        np.testing.assert_allclose(np.asarray(x), y, rtol=1e-5, atol=1e-5 * float(np.abs(y).max() or 1))
+        scale = max(float(np.abs(y).max()), 1e-3 * largest) or 1.0
+        np.testing.assert_allclose(np.asarray(x), y, rtol=m.gradient_rtol,
+                                   atol=m.gradient_rtol * scale)
 
 
 def check_five_budgets(name: str) -> None:
