@@ -298,8 +298,24 @@ def block_ranges(program: Program) -> list[tuple[int, int]]:
     modules where two or more share a name but for the number (`LM/Decoder_0/Block_3`:
     the Block_i, not the lone Decoder_0 or Embed_0). Without
     (plain JAX), or with fewer than two such modules, the copies of repeated blocks
-    found from the program's structure (graph.find_blocks).
+    found from the program's structure (graph.find_blocks); also where those copies are
+    fewer and each holds whole numbered modules: the numbers then name layers inside
+    the block (one layer module called at every depth, as ALBERT shares it: its
+    `Dense_0` and `Dense_1`, not the layer, are numbered).
     """
+    found = [r for g in find_blocks(program) for r in g.ranges]
+    named = _numbered_ranges(program)
+    if named is None:
+        return found
+    if found and len(found) < len(named) and all(
+            any(lo <= a and b <= hi for lo, hi in found) for a, b in named):
+        return found
+    return named
+
+
+def _numbered_ranges(program: Program) -> list[tuple[int, int]] | None:
+    """block_ranges by module path; None without two modules named alike but for a
+    number."""
     numbered = []
     for e in program.eqns:
         parts = [p for p in e.module_path.split("/") if p]
@@ -314,7 +330,7 @@ def block_ranges(program: Program) -> list[tuple[int, int]]:
             scopes = [s if s in repeated else None for s in scopes]
             break
     else:
-        return [r for g in find_blocks(program) for r in g.ranges]
+        return None
     ranges, current, start = [], None, 0
     for i, scope in enumerate(scopes + [None]):
         if scope != current:
