@@ -5,7 +5,9 @@ conventions. The models here deliberately do not: they copy the styles found in 
 (HuggingFace-Flax module trees with blocks named "0", "1", ...; `nn.compact` with auto names;
 `nn.scan` stacks; flax.nnx; plain JAX with a dict of arrays; BatchNorm state; U-Net skips;
 MLP-Mixer; the Flax examples' ResNet with its `nn.max_pool` stem; a ViT with a class token
-and gradient clipping; a hand-written Llama with rotary tables, bfloat16 compute and Lion),
+and gradient clipping; a hand-written Llama with rotary tables, bfloat16 compute and Lion;
+ALBERT's one layer shared by every depth; an encoder-decoder whose encoder output every
+decoder block reads; plain JAX with `jax.lax.scan` over stacked parameters),
 so that a planner that only works on the zoo's shapes shows up here. Nothing is imported
 from remat_planner.
 
@@ -1356,6 +1358,205 @@ def _llama_rope() -> CorpusModel:
                   make_loss, gradient_rtol=1e-2)
 
 
+# ---------------------------------------------------------------------------------------------
+# 13. albert_shared: ALBERT's weight sharing: one post-norm layer module called at every
+#     depth (its gradient is the sum over the calls), a factorized embedding projection,
+#     a padding mask from nn.make_attention_mask; nn.remat of the shared layer, so only
+#     one policy for all depths.
+# ---------------------------------------------------------------------------------------------
+
+
+class AlbertLayer(nn.Module):
+    d: int = 64
+    heads: int = 4
+
+    @nn.compact
+    def __call__(self, x, mask):
+        h = nn.MultiHeadDotProductAttention(num_heads=self.heads, deterministic=True)(
+            x, x, mask=mask)
+        x = nn.LayerNorm()(x + h)
+        h = nn.Dense(4 * self.d)(x)
+        h = nn.Dense(self.d)(nn.gelu(h))
+        return nn.LayerNorm()(x + h)
+
+
+class Albert(nn.Module):
+    layers: int = 4
+    policy: Policy = None
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, ids, attn_mask):
+        x = nn.Embed(384, 32)(ids)
+        x = nn.Dense(64, name="embedding_projection")(x)
+        mask = nn.make_attention_mask(attn_mask, attn_mask)
+        cls = nn.remat(AlbertLayer, policy=self.policy) if self.remat else AlbertLayer
+        layer = cls(name="shared_layer")
+        for _ in range(self.layers):
+            x = layer(x, mask)
+        return nn.Dense(384)(x)
+
+
+def _albert_shared() -> CorpusModel:
+    layers, batch_size, seq_len = 4, 4, 64
+
+    def make_module_loss(module):
+        def loss_fn(params, ids, attn_mask, labels):
+            logits = module.apply({"params": params}, ids, attn_mask)
+            w = attn_mask.astype(jnp.float32)
+            losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+            return (losses * w).sum() / w.sum()
+
+        return loss_fn
+
+    def build(policies):
+        if any(p is not policies[0] for p in policies):
+            raise ValueError("albert_shared calls one layer module at every depth: only uniform "
+                             f"remat policies are possible, got {policies}")
+        return make_module_loss(Albert(layers=layers, policy=policies[0], remat=True))
+
+    def make_batch(rng):
+        ids = _tokens(rng, batch_size, seq_len, 384)
+        lengths = np.array([seq_len, seq_len - 9, seq_len, seq_len - 20])  # right-padded rows
+        attn_mask = (np.arange(seq_len)[None] < lengths[:, None]).astype(np.int32)
+        return ids, attn_mask, _tokens(rng, batch_size, seq_len, 384)
+
+    ids, attn_mask, _ = make_batch(np.random.default_rng(0))
+    params = _init_shapes(lambda k, i, a: Albert(layers=layers).init(k, i, a)["params"],
+                          ids, attn_mask)
+    return _model("albert_shared", make_module_loss(Albert(layers=layers)), params, make_batch,
+                  optax.adamw(1e-3), layers, build, supports_mixes=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# 14. t5_encdec: an encoder-decoder: the encoder's output is read by every decoder block's
+#     cross attention (a value crossing every decoder cut), a causal self-attention mask,
+#     input and output embeddings tied (Embed.attend).
+# ---------------------------------------------------------------------------------------------
+
+
+def _self_attention(h, mask=None):
+    with warnings.catch_warnings():  # flax announces SelfAttention's deprecation on each call
+        warnings.filterwarnings("ignore", "SelfAttention will be deprecated", DeprecationWarning)
+        return nn.SelfAttention(num_heads=4, deterministic=True)(h, mask=mask)
+
+
+class EncBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = x + _self_attention(nn.LayerNorm()(x))
+        h = nn.LayerNorm()(x)
+        return x + nn.Dense(64)(nn.relu(nn.Dense(256)(h)))
+
+
+class DecBlock(nn.Module):
+    @nn.compact
+    def __call__(self, y, enc, mask):
+        y = y + _self_attention(nn.LayerNorm()(y), mask)
+        h = nn.LayerNorm()(y)
+        y = y + nn.MultiHeadDotProductAttention(num_heads=4, deterministic=True)(h, enc)
+        h = nn.LayerNorm()(y)
+        return y + nn.Dense(64)(nn.relu(nn.Dense(256)(h)))
+
+
+class EncDec(nn.Module):
+    n: int = 2
+    policies: tuple | None = None
+
+    @nn.compact
+    def __call__(self, src, tgt):
+        emb = nn.Embed(256, 64)
+        x = emb(src)
+        for i in range(self.n):
+            p = None if self.policies is None else self.policies[i]
+            cls = EncBlock if p is None else nn.remat(EncBlock, policy=p)
+            x = cls(name=f"encoder_{i}")(x)
+        enc = nn.LayerNorm(name="enc_norm")(x)
+        y = emb(tgt)
+        mask = nn.make_causal_mask(tgt)
+        for i in range(self.n):
+            p = None if self.policies is None else self.policies[self.n + i]
+            cls = DecBlock if p is None else nn.remat(DecBlock, policy=p)
+            y = cls(name=f"decoder_{i}")(y, enc, mask)
+        return emb.attend(nn.LayerNorm(name="dec_norm")(y))
+
+
+def _t5_encdec() -> CorpusModel:
+    n, batch_size = 2, 4
+
+    def make_loss(policies):
+        module = EncDec(n=n, policies=policies)
+
+        def loss_fn(params, src, tgt_in, tgt_out):
+            logits = module.apply({"params": params}, src, tgt_in)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tgt_out).mean()
+
+        return loss_fn
+
+    def make_batch(rng):
+        tgt = _tokens(rng, batch_size, 49, 256)
+        return _tokens(rng, batch_size, 64, 256), tgt[:, :-1], tgt[:, 1:]
+
+    src, tgt_in, _ = make_batch(np.random.default_rng(0))
+    params = _init_shapes(lambda k, s, t: EncDec(n=n).init(k, s, t)["params"], src, tgt_in)
+    return _model("t5_encdec", make_loss(None), params, make_batch, optax.adamw(1e-3), 2 * n,
+                  make_loss)
+
+
+# ---------------------------------------------------------------------------------------------
+# 15. plain_scan: plain JAX with the layers' parameters stacked on axis 0 and jax.lax.scan
+#     over them (no Flax); jax.checkpoint(layer, policy=...) as the scan body.
+# ---------------------------------------------------------------------------------------------
+
+_PS = dict(n_layers=6, d_model=64, vocab=256, batch_size=4, seq_len=48)
+
+
+def _ps_init(key):
+    n, d, v = _PS["n_layers"], _PS["d_model"], _PS["vocab"]
+    ks = jax.random.split(key, 6)
+    return {"emb": jax.random.normal(ks[0], (v, d)) * 0.02,
+            "layers": {"w1": jax.random.normal(ks[1], (n, d, 4 * d)) * 0.02,
+                       "w2": jax.random.normal(ks[2], (n, 4 * d, d)) * 0.02,
+                       "wqkv": jax.random.normal(ks[3], (n, d, 3 * d)) * 0.02,
+                       "wo": jax.random.normal(ks[4], (n, d, d)) * 0.02,
+                       "g": jnp.ones((n, d))},
+            "out": jax.random.normal(ks[5], (d, v)) * 0.02}
+
+
+def _ps_layer(x, p):
+    t = x.shape[1]
+    h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * p["g"]
+    q, k, v = jnp.split(h @ p["wqkv"], 3, -1)
+    s = jnp.einsum("btd,bsd->bts", q, k) / np.sqrt(q.shape[-1])
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+    x = x + jnp.einsum("bts,bsd->btd", jax.nn.softmax(s), v) @ p["wo"]
+    return x + jax.nn.gelu(x @ p["w1"]) @ p["w2"], None
+
+
+def _plain_scan() -> CorpusModel:
+    def make_loss(body):
+        def loss_fn(params, ids, labels):
+            x = params["emb"][ids]
+            x, _ = jax.lax.scan(body, x, params["layers"])
+            logits = x @ params["out"]
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        return loss_fn
+
+    def build(policies):
+        if any(p is not policies[0] for p in policies):
+            raise ValueError("plain_scan scans its layers: only uniform remat policies are "
+                             f"possible, got {policies}")
+        return make_loss(jax.checkpoint(_ps_layer, policy=policies[0]))
+
+    def make_batch(rng):
+        tokens = _tokens(rng, _PS["batch_size"], _PS["seq_len"] + 1, _PS["vocab"])
+        return tokens[:, :-1], tokens[:, 1:]
+
+    params = jax.eval_shape(_ps_init, jax.random.PRNGKey(0))
+    return _model("plain_scan", make_loss(_ps_layer), params, make_batch, optax.adamw(1e-3),
+                  _PS["n_layers"], build, supports_mixes=False)
+
 MODELS: dict[str, Callable[[], CorpusModel]] = {
     "hf_gpt2": _hf_gpt2,
     "selfattn_gpt": _selfattn_gpt,
@@ -1369,6 +1570,9 @@ MODELS: dict[str, Callable[[], CorpusModel]] = {
     "resnet_maxpool": _resnet_maxpool,
     "vit": _vit,
     "llama_rope": _llama_rope,
+    "albert_shared": _albert_shared,
+    "t5_encdec": _t5_encdec,
+    "plain_scan": _plain_scan,
 }
 
 
