@@ -58,11 +58,13 @@ class Row:
     fitted: float
 
 
-def measure(name: str) -> tuple[rp.Analysis, list[Row]]:
-    """The corpus model's calibrated analysis and one Row per plan of plans(): each
-    compiled as the donated optax step and compared with both models."""
+def measure(name: str, fitted: rp.Analysis | None = None) -> tuple[rp.Analysis, list[Row]]:
+    """The corpus model's calibrated analysis (`fitted`, made here when not given) and one
+    Row per plan of plans(): each compiled as the donated optax step and compared with
+    both models."""
     m = corpus.get(name)
-    fitted = rp.analyze(m.loss_fn, m.params, m.batch, m.optimizer, has_aux=m.has_aux)
+    if fitted is None:
+        fitted = rp.analyze(m.loss_fn, m.params, m.batch, m.optimizer, has_aux=m.has_aux)
     raw = rp.analyze(m.loss_fn, m.params, m.batch, m.optimizer, has_aux=m.has_aux,
                      calibrate=False)
     rows = []

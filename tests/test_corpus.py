@@ -76,6 +76,22 @@ def cases(second: bool) -> list:
 
 
 @functools.cache
+def fresh_plan(name: str, budget: int) -> rp.Plan:
+    """One fresh rp.plan call (its own analysis) at `budget`, kept for the checks of the
+    same process that need the same plan: the never-worse check at the lowest built-in's
+    peak and the gradient check there."""
+    m = corpus.get(name)
+    return rp.plan(m.loss_fn, m.params, m.batch, budget, m.optimizer, has_aux=m.has_aux)
+
+
+@functools.cache
+def analysis(name: str) -> rp.Analysis:
+    """The model's calibrated analysis, shared by the five-budget and prediction checks."""
+    m = corpus.get(name)
+    return rp.analyze(m.loss_fn, m.params, m.batch, m.optimizer, has_aux=m.has_aux)
+
+
+@functools.cache
 def measured(name: str):
     """The model, XLA's figures without remat, and with each built-in policy per block."""
     m = corpus.get(name)
@@ -232,7 +248,7 @@ def check_model_error(name: str) -> None:
     """Every plan of tests/error_plans.py, compiled: the uncalibrated memory model within
     3% of XLA's peak, except the plans MODEL_ERROR_OUT names, which must still be outside
     it (so that a fix, or a change in which plans the solver picks, shows)."""
-    _, rows = error_plans.measure(name)
+    _, rows = error_plans.measure(name, analysis(name))
     errors = {row.label: row.raw for row in rows}
     report = ", ".join(f"{label} {e:+.2%}" for label, e in errors.items())
     out = {label for label, e in errors.items() if abs(e) > error_plans.TOLERANCE}
@@ -247,7 +263,7 @@ def check_never_worse(name: str, policy: str) -> None:
     m, base, builtins = measured(name)
     builtin = builtins[policy]
     budget = builtin.peak_bytes
-    plan = rp.plan(m.loss_fn, m.params, m.batch, budget, m.optimizer, has_aux=m.has_aux)
+    plan = fresh_plan(name, budget)
     report = (f"{name} at {policy}'s peak {budget}: plan {plan.measured_peak_bytes} B "
               f"{plan.measured_flops / base.flops - 1:.4%} vs {builtin.flops / base.flops - 1:.4%}")
     assert plan.measured_peak_bytes <= budget, report
@@ -258,7 +274,7 @@ def check_planned_gradients(name: str) -> None:
     """The plan at the lowest built-in peak gives the unplanned step's loss and gradients."""
     m, base, builtins = measured(name)
     budget = min(b.peak_bytes for b in builtins.values())
-    plan = rp.plan(m.loss_fn, m.params, m.batch, budget, m.optimizer, has_aux=m.has_aux)
+    plan = fresh_plan(name, budget)
     assert plan.measured_peak_bytes <= budget
     params, batch = m.init(jax.random.key(0))
     planned = plan.apply(m.loss_fn)
@@ -292,7 +308,7 @@ def check_five_budgets(name: str) -> None:
     what it is held to."""
     m, base, builtins = measured(name)
     lo = min(b.peak_bytes for b in builtins.values())
-    an = rp.analyze(m.loss_fn, m.params, m.batch, m.optimizer, has_aux=m.has_aux)
+    an = analysis(name)
     failures = []
     for budget in np.geomspace(lo, base.peak_bytes, 5).astype(np.int64):
         budget = int(budget)
