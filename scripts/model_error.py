@@ -4,15 +4,16 @@ For each model of tests/corpus.py, the plans of tests/error_plans.py (the plan t
 stores everything, the plan that checkpoints every stage but the last, each built-in
 keep rule per block, and the solver's plans at 0, 25, 50, 75 and 95% of the way from the
 model's smallest feasible budget to its no-remat peak; tests/test_corpus.py checks the
-same rows). Each is
-compiled (XLA's peak of the donated optax step) and compared with the model's peak:
+same rows). Each is compiled (XLA's peak of the donated optax step) and compared with
+the model's peak:
 "raw" is the model without the calibration (no scales, no offset), "fitted" the model
 `rp.plan` uses. Prints one line per plan, then per model and over all plans the median
 and largest error and how many plans are within 3%. Run from the repository root:
 
     python scripts/model_error.py [MODEL ...]
 
-About 4 minutes for the ten models on 2 CPU cores.
+Several minutes for the whole corpus on 2 CPU cores (its first ten models, hf_gpt2 to
+resnet_maxpool: about 4).
 """
 
 from __future__ import annotations

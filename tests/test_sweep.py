@@ -1,6 +1,8 @@
 """Reliability, guarantee 1 (see test_reliability.py): on every sample model, XLA's peak of
 every plan within its budget over a sweep of SWEEP_BUDGETS budgets, and recompute never
-rising as the budget grows; and guarantee 2, exact gradients, sharing the analysis. Files
+rising as the budget grows (in CI on gpt2-tiny and resnet-tiny; the other models' sweeps
+under `-m extended`: EXTENDED_SWEEPS); and guarantee 2, exact gradients, sharing the
+analysis, on every sample model in CI. Files
 of their own, this one and test_sweep_b.py (the models
 in SECOND_HALF), so that `pytest -n 2 --dist loadfile` runs the two halves and the rest
 of test_reliability.py side by side. A new `configs/*-tiny.yaml` joins this file."""
@@ -27,8 +29,23 @@ pytestmark = pytest.mark.slow
 SECOND_HALF = ("bert-tiny", "vit-tiny", "resnet-tiny", "llama-tiny")
 
 
+# Sample models whose sweep runs under `-m extended`, not in CI: CI's 40 minutes
+# (at a50d276 its slow part took 2,129 s, with the corpus's 15 models). Their
+# architectures are planned in CI by the corpus's checks (tests/test_corpus.py: five
+# budgets and every built-in's peak on a U-Net, a BERT, a ViT, Llama-style and nnx
+# LMs), and their gradients here; the sweep's own rule runs in CI on gpt2-tiny and
+# resnet-tiny.
+EXTENDED_SWEEPS = ("unet-tiny", "bert-tiny", "vit-tiny", "llama-tiny", "nnx-tiny")
+
+
 def sweep_params(second_half: bool, known_failures: bool = True):
+    """The sample models of one half; with `known_failures` (the sweep itself), a strict
+    xfail where KNOWN_NON_MONOTONE names the model, and `extended` for EXTENDED_SWEEPS."""
     params = _params(KNOWN_NON_MONOTONE if known_failures else None)
+    if known_failures:
+        params = [pytest.param(*p.values, id=p.id,
+                               marks=[*p.marks, pytest.mark.extended] if p.id in EXTENDED_SWEEPS
+                               else p.marks) for p in params]
     return [p for p in params if (p.id in SECOND_HALF) == second_half]
 
 
