@@ -977,8 +977,8 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned
                                   recompute_bytes=float(rc[1])))
     wf = wb = 0
     if measure_xla and fn_outs:
-        wf, wb, xla_kept = _xla_workspace(base, in_avals, ct_avals, wrt, frozenset(act_inputs),
-                                          forward_alone, step_outputs)
+        wf, wb, xla_kept, stored_fwd = _xla_workspace(
+            base, in_avals, ct_avals, wrt, frozenset(act_inputs), forward_alone, step_outputs)
         if xla_kept is not None and xla_keeps and any(c.shape for c in ct_avals):
             # A stored stage keeps what XLA's fusion keeps, not JAX's residual list
             # (hlo.py; docs/jax-facts.md, fact 7). The checkpoint options keep the
@@ -986,7 +986,10 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned
             # cotangents are all scalars (the loss): XLA runs its backward's products
             # ahead of the scalar and keeps their results, which the step, whose
             # cotangent is a constant, does not.
-            options[0] = dataclasses.replace(options[0], keep_bytes=xla_kept)
+            # Its forward holds what it keeps with its workspace, not beside the
+            # workspace of the forward compiled alone (fact 17).
+            options[0] = dataclasses.replace(options[0], keep_bytes=xla_kept,
+                                             fwd_temp_bytes=stored_fwd)
     return tuple(options), wf, wb, (start, stop)
 
 
@@ -1097,9 +1100,12 @@ def vjp_wrt(f, args, wrt):
 
 def _xla_workspace(f, in_avals, ct_avals, wrt, activation_inputs: frozenset[int] = frozenset(),
                    forward_alone: bool = True,
-                   returned: tuple[int, ...] = ()) -> tuple[int, int, int | None]:
-    """A stage's forward and backward workspaces, and the bytes XLA keeps from its
-    forward for its backward (hlo.kept_bytes; None without a backward).
+                   returned: tuple[int, ...] = ()) -> tuple[int, int, int | None, int | None]:
+    """A stage's forward and backward workspaces, the bytes XLA keeps from its forward for
+    its backward (hlo.kept_bytes; None without a backward), and the forward's workspace
+    when the stage is stored (None without a backward): what its forward holds at once
+    beyond its inputs and what it keeps (hlo.forward_peak_bytes), which the forward
+    compiled alone, freeing what it would keep, does not show (docs/jax-facts.md, fact 17).
 
     The forward's is the stage's forward compiled alone: XLA's temp, what it needs beyond
     its inputs, outputs and what it keeps (those the model counts apart), as it runs in
@@ -1125,7 +1131,7 @@ def _xla_workspace(f, in_avals, ct_avals, wrt, activation_inputs: frozenset[int]
 
     if not wrt:
         temp = forward_temp()
-        return temp, temp, None
+        return temp, temp, None, None
     # every argument kept, so that entry parameter k of the HLO is argument k
     # (the returned outputs after the cotangents: output k is input cotangent k)
     def fwd_bwd(a, ct):
@@ -1144,7 +1150,10 @@ def _xla_workspace(f, in_avals, ct_avals, wrt, activation_inputs: frozenset[int]
     io = (sum(nbytes(in_avals[i]) for i in activation_inputs)
           + sum(nbytes(in_avals[i]) for i in wrt if i in activation_inputs)
           + sum(nbytes(c) for c in ct_avals) + sum(nbytes(ct_avals[i]) for i in returned))
-    return (min(forward_temp(), temp) if forward_alone else temp), live - io, kept
+    inputs = sum(nbytes(in_avals[i]) for i in activation_inputs)
+    stored = hlo.forward_peak_bytes(text, set(activation_inputs), set(range(n_in, n_in + n_ct)))
+    return ((min(forward_temp(), temp) if forward_alone else temp), live - io, kept,
+            stored - inputs - kept)
 
 
 def scaled_workspace(w: int, beta: float) -> int:

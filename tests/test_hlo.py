@@ -132,3 +132,54 @@ def test_a_compiled_head_does_not_hold_its_input_in_its_backward():
     assert compiled.memory_analysis().temp_size_in_bytes == 0
     assert hlo.live_peak_bytes(compiled.as_text(), counted_params={0, 1},
                                uncounted_outputs=set()) == act + 4
+
+
+# x (an activation), w (a weight), ct (the cotangent). The forward: h = x @ w, read by
+# the backward (kept); t = tanh(h), read only by the forward's y = t @ w. The backward
+# reads h and ct. A = 4 x 8 x 4 bytes.
+FORWARD = """HloModule m
+
+ENTRY %main (x: f32[4,8], w: f32[8,8], ct: f32[4,8]) -> f32[4,8] {
+  %x = f32[4,8]{1,0} parameter(0)
+  %w = f32[8,8]{1,0} parameter(1)
+  %ct = f32[4,8]{1,0} parameter(2)
+  %h = f32[4,8]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %t = f32[4,8]{1,0} tanh(%h)
+  %y = f32[4,8]{1,0} dot(%t, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %g = f32[4,8]{1,0} multiply(%ct, %h)
+  ROOT %dx = f32[4,8]{1,0} dot(%g, %w), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+"""
+
+
+def test_forward_peak_holds_what_is_kept():
+    """In the forward (the instructions not depending on ct), x lives to its last reader
+    h; h, kept for the backward, to the forward's end; t to y. At y: h, t and y (3A),
+    where kept_bytes is h alone (A). Without x counted as an activation, the same."""
+    a = 4 * 8 * 4
+    assert hlo.kept_bytes(FORWARD, activation_params={0}, cotangent_params={2}) == a
+    assert hlo.forward_peak_bytes(FORWARD, activation_params={0}, cotangent_params={2}) == 3 * a
+    assert hlo.forward_peak_bytes(FORWARD, activation_params=set(), cotangent_params={2}) == 3 * a
+
+
+def test_a_compiled_stored_forward_is_less_than_its_temp_beside_what_it_keeps():
+    """tanh(tanh(x @ w1) @ w3) @ w2 compiled with its backward keeps x and both tanhs
+    (the matmuls' outputs are read only by the tanhs, each made in place). Its forward
+    holds at most x, the first tanh, the second matmul's output and the second tanh at
+    once. The forward compiled alone has two wide values in temp, one of them a tanh
+    kept for the backward: the memory model once added that temp to what is kept,
+    counting a kept value twice (docs/jax-facts.md, fact 17)."""
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    w1 = jax.ShapeDtypeStruct((32, 256), jnp.float32)
+    w3 = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    w2 = jax.ShapeDtypeStruct((256, 32), jnp.float32)
+    f = lambda x, w1, w3, w2: [jnp.tanh(jnp.tanh(x @ w1) @ w3) @ w2]  # noqa: E731
+    both = jax.jit(lambda a, ct: vjp_wrt(f, a, (0, 1, 2, 3))[1](ct), keep_unused=True)
+    text = both.lower([x, w1, w3, w2], [x]).compile(measure_compiler_options()).as_text()
+    alone = jax.jit(f).lower(x, w1, w3, w2).compile(measure_compiler_options())
+    act, wide = 64 * 32 * 4, 64 * 256 * 4
+    kept = hlo.kept_bytes(text, activation_params={0}, cotangent_params={4})
+    peak = hlo.forward_peak_bytes(text, activation_params={0}, cotangent_params={4})
+    assert kept == act + 2 * wide
+    assert peak == act + 3 * wide
+    assert alone.memory_analysis().temp_size_in_bytes + kept == peak + wide
