@@ -63,7 +63,9 @@ def reference(scanned, real_inputs):
 
 
 def _scan_stage(an) -> int:
-    return next(i for i, s in enumerate(an.chain.stages) if s.option(STORE).fwd_temp_bytes is not None)
+    """The stage with per-iteration (scan) options."""
+    return next(i for i, s in enumerate(an.chain.stages)
+                if any(is_scan_option(o.name) for o in s.options))
 
 
 def _plan_with(an, option: str, params, batch) -> Plan:
