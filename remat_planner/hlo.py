@@ -219,7 +219,7 @@ def forward_peak_bytes(text: str, activation_params: set[int], cotangent_params:
     from constants alone are not counted (kept_bytes). The stage's forward compiled alone
     frees every intermediate after its last use, so its temp plus what is kept counts
     the kept buffers twice at its peak: on the corpus ViT's MLP stage, forward alone
-    2,929,600 B of temp, kept 3,469,440 B (docs/jax-facts.md, fact 17).
+    2,929,600 B of temp, kept 3,469,440 B (docs/jax-facts.md, fact 16).
     """
     insts = _entry(text)
     ops = {name: op for name, _, op, *_ in insts}

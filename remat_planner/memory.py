@@ -987,7 +987,7 @@ def _profile_one(program, start, stop, ins, outs, free, wrt, measure_xla, pinned
             # ahead of the scalar and keeps their results, which the step, whose
             # cotangent is a constant, does not.
             # Its forward holds what it keeps with its workspace, not beside the
-            # workspace of the forward compiled alone (fact 17).
+            # workspace of the forward compiled alone (fact 16).
             options[0] = dataclasses.replace(options[0], keep_bytes=xla_kept,
                                              fwd_temp_bytes=stored_fwd)
     return tuple(options), wf, wb, (start, stop)
@@ -1105,7 +1105,7 @@ def _xla_workspace(f, in_avals, ct_avals, wrt, activation_inputs: frozenset[int]
     its backward (hlo.kept_bytes; None without a backward), and the forward's workspace
     when the stage is stored (None without a backward): what its forward holds at once
     beyond its inputs and what it keeps (hlo.forward_peak_bytes), which the forward
-    compiled alone, freeing what it would keep, does not show (docs/jax-facts.md, fact 17).
+    compiled alone, freeing what it would keep, does not show (docs/jax-facts.md, fact 16).
 
     The forward's is the stage's forward compiled alone: XLA's temp, what it needs beyond
     its inputs, outputs and what it keeps (those the model counts apart), as it runs in

@@ -168,7 +168,7 @@ def test_a_compiled_stored_forward_is_less_than_its_temp_beside_what_it_keeps():
     holds at most x, the first tanh, the second matmul's output and the second tanh at
     once. The forward compiled alone has two wide values in temp, one of them a tanh
     kept for the backward: the memory model once added that temp to what is kept,
-    counting a kept value twice (docs/jax-facts.md, fact 17)."""
+    counting a kept value twice (docs/jax-facts.md, fact 16)."""
     x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
     w1 = jax.ShapeDtypeStruct((32, 256), jnp.float32)
     w3 = jax.ShapeDtypeStruct((256, 256), jnp.float32)
