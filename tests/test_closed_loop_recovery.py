@@ -118,7 +118,10 @@ def test_plan_xla_finds_over_is_re_solved_until_it_fits(plain):
 def test_every_plan_over_raises_with_xla_lowest_peak(plain):
     """At the understating model's own smallest feasible budget no plan fits by XLA: the
     loop, the probes and the verified plans all fail, and the error says so, naming XLA's
-    lowest measured peak (above the budget) as the smallest feasible budget."""
+    lowest measured peak (above the budget) as the smallest feasible budget: the lowest
+    of every plan measured, the per-block probes' included, not only the loop's rounds
+    (the corpus ViT at its model's smallest budget, 9.10 MiB: the rounds' lowest was
+    9.50 MiB, above every block under nothing_saveable, 9.45 MiB; a probe's, 9.35 MiB)."""
     m, an = plain
     w = wrong(an, UNDER)
     budget = w.min_feasible_budget()
@@ -128,7 +131,7 @@ def test_every_plan_over_raises_with_xla_lowest_peak(plain):
         _plan(m, budget, w)
     err = info.value
     lowest = min(v.peak_bytes for v in w.verified.values())
-    assert err.min_feasible_bytes >= lowest > budget
+    assert err.min_feasible_bytes == lowest > budget
     assert err.exit_code == 3 and "\n" not in str(err)
 
 

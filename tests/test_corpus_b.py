@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from test_corpus import (cases, check_five_budgets, check_model_error, check_never_worse,
-                         check_planned_gradients, half)
+from test_corpus import (SMALLEST_CHECKED, cases, check_five_budgets, check_model_error,
+                         check_never_worse, check_planned_gradients, check_smallest_feasible,
+                         half)
 
 # Whole-step compiles at several budgets: left out of the README's test command, run by
 # .ci/run's second part (`-m slow`).
@@ -31,3 +32,8 @@ def test_five_budgets_fit_and_beat_every_builtin_that_fits(name):
 @pytest.mark.parametrize("name", half(second=True))
 def test_model_predicts_xla_within_tolerance(name):
     check_model_error(name)
+
+
+@pytest.mark.parametrize("name", SMALLEST_CHECKED)
+def test_smallest_feasible_no_higher_than_every_builtin(name):
+    check_smallest_feasible(name)
