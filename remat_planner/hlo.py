@@ -133,14 +133,23 @@ def live_peak_bytes(text: str, counted_params: set[int], uncounted_outputs: set[
                 size[key] = 0
             else:
                 last[key] = end
-    change = [0] * (end + 2)
+    spans = []
     for key, nbytes in size.items():
         if not nbytes:
             continue
         base = key[0] if isinstance(key, tuple) else key
         start = born.get(base, 0)
+        spans.append((start, last.get(key, start), nbytes))
+    return _most_live(spans, end)
+
+
+def _most_live(spans, end: int) -> int:
+    """The most bytes live at once of buffers live over [start, stop] (instruction
+    positions up to `end`), each given as (start, stop, bytes)."""
+    change = [0] * (end + 2)
+    for start, stop, nbytes in spans:
         change[start] += nbytes
-        change[max(last.get(key, start), start) + 1] -= nbytes
+        change[max(stop, start) + 1] -= nbytes
     peak = live = 0
     for delta in change:
         live += delta
@@ -236,7 +245,7 @@ def forward_peak_bytes(text: str, activation_params: set[int], cotangent_params:
                 base = key[0] if isinstance(key, tuple) else key
                 if base not in depends:
                     last[key] = max(last.get(key, 0), at)
-    change = [0] * (end + 2)
+    spans = []
     for key, nbytes in size.items():
         base = key[0] if isinstance(key, tuple) else key
         if not nbytes or base in depends or base not in reads_input or ops.get(base) == "constant":
@@ -244,10 +253,5 @@ def forward_peak_bytes(text: str, activation_params: set[int], cotangent_params:
         if ops.get(base) == "parameter" and param_no.get(base) not in activation_params:
             continue
         start = position.get(base, 0)
-        change[start] += nbytes
-        change[max(last.get(key, start), start) + 1] -= nbytes
-    peak = live = 0
-    for delta in change:
-        live += delta
-        peak = max(peak, live)
-    return peak
+        spans.append((start, last.get(key, start), nbytes))
+    return _most_live(spans, end)

@@ -608,9 +608,10 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
             **fallback.metadata, "verify_rounds": compiles.measured,
             "compiles": compiles.used, **labels})
     # The budget named: the lowest peak XLA measured on this analysis, a budget that plan
-    # fits. The per-block probes just above are among them, and one may fit lower than
-    # every round of the loop (the corpus ViT at 9.10 MiB: the loop's lowest 9.50 MiB,
-    # where every block under nothing_saveable peaks at 9.45 MiB).
+    # fits. The per-block probes just above and the calibration's plan are among them,
+    # and may fit lower than every round of the loop (the corpus ViT at 9.10 MiB: the
+    # loop's lowest 9,965,296 B, every block under nothing_saveable 9,912,136 B, the
+    # calibration's plan checkpointing every stage 9,805,208 B).
     lowest = min((m.peak_bytes for (segments, opt), m in list(an.verified.items())
                   if opt is step.optimizer or opt == step.optimizer), default=lowest_peak)
     raise InfeasibleBudgetError(

@@ -119,9 +119,9 @@ def test_every_plan_over_raises_with_xla_lowest_peak(plain):
     """At the understating model's own smallest feasible budget no plan fits by XLA: the
     loop, the probes and the verified plans all fail, and the error says so, naming XLA's
     lowest measured peak (above the budget) as the smallest feasible budget: the lowest
-    of every plan measured, the per-block probes' included, not only the loop's rounds
-    (the corpus ViT at its model's smallest budget, 9.10 MiB: the rounds' lowest was
-    9.50 MiB, above every block under nothing_saveable, 9.45 MiB; a probe's, 9.35 MiB)."""
+    of every plan measured on the analysis, not only the loop's rounds (the corpus ViT at
+    its model's smallest budget, 9.10 MiB: the rounds' lowest 9,965,296 B, above every
+    block under nothing_saveable, 9,912,136 B; the calibration's plan, 9,805,208 B)."""
     m, an = plain
     w = wrong(an, UNDER)
     budget = w.min_feasible_budget()
