@@ -1147,10 +1147,9 @@ def _xla_workspace(f, in_avals, ct_avals, wrt, activation_inputs: frozenset[int]
     weight_grads = {k for k, i in enumerate(wrt) if i not in activation_inputs}
     live = hlo.live_peak_bytes(text, set(activation_inputs) | set(range(n_in, n_in + n_ct)),
                                weight_grads)
-    io = (sum(nbytes(in_avals[i]) for i in activation_inputs)
-          + sum(nbytes(in_avals[i]) for i in wrt if i in activation_inputs)
-          + sum(nbytes(c) for c in ct_avals) + sum(nbytes(ct_avals[i]) for i in returned))
     inputs = sum(nbytes(in_avals[i]) for i in activation_inputs)
+    io = (inputs + sum(nbytes(in_avals[i]) for i in wrt if i in activation_inputs)
+          + sum(nbytes(c) for c in ct_avals) + sum(nbytes(ct_avals[i]) for i in returned))
     stored = hlo.forward_peak_bytes(text, set(activation_inputs), set(range(n_in, n_in + n_ct)))
     return ((min(forward_temp(), temp) if forward_alone else temp), live - io, kept,
             stored - inputs - kept)

@@ -507,10 +507,7 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
                 return dataclasses.replace(fits, metadata={
                     **fits.metadata, "verify_rounds": compiles.measured,
                     "compiles": compiles.used, **_labels(an, budget)})
-            # the lowest peak XLA measured on this analysis: a budget that plan fits
-            min_budget = min((m.peak_bytes for (segments, opt), m in list(an.verified.items())
-                              if opt is optimizer or opt == optimizer),
-                             default=measured.peak_bytes)
+            min_budget = _lowest_verified_peak(an, optimizer, measured.peak_bytes)
         raise InfeasibleBudgetError(budget_bytes, min_budget)
     if not verify:
         p = make_plan(an, first, budget_bytes, params, batch, correction=0, costs=costs)
@@ -612,14 +609,21 @@ def plan(loss_fn: Callable, params, batch, budget, optimizer=None, *, verify: bo
     # and may fit lower than every round of the loop (the corpus ViT at 9.10 MiB: the
     # loop's lowest 9,965,296 B, every block under nothing_saveable 9,912,136 B, the
     # calibration's plan checkpointing every stage 9,805,208 B).
-    lowest = min((m.peak_bytes for (segments, opt), m in list(an.verified.items())
-                  if opt is step.optimizer or opt == step.optimizer), default=lowest_peak)
+    lowest = _lowest_verified_peak(an, step.optimizer, lowest_peak)
     raise InfeasibleBudgetError(
         budget_bytes, max(min_budget, lowest or 0),
         f"XLA measured every plan tried over the budget ({rounds} round(s), lowest "
         f"peak {lowest} bytes)")
 
 
+
+
+def _lowest_verified_peak(an: Analysis, optimizer, default: int | None) -> int | None:
+    """The lowest peak XLA measured on this analysis for `optimizer`'s step (`default`
+    where none was): a budget the plan measured there fits, so the one an infeasible
+    budget's error names."""
+    return min((m.peak_bytes for (segments, opt), m in list(an.verified.items())
+                if opt is optimizer or opt == optimizer), default=default)
 
 
 def _labels(an: Analysis, budget) -> dict:
