@@ -185,15 +185,15 @@ def kept_bytes(text: str, activation_params: set[int], cotangent_params: set[int
         if name not in depends or op in _ALIASES:
             continue
         for o in operands:
-            key = buffer.get(o, o)
-            if o in depends or key is None or isinstance(key, list):
-                continue
-            base = key[0] if isinstance(key, tuple) else key
-            if ops.get(base) == "constant" or base not in reads_input:
-                continue
-            if ops.get(base) == "parameter" and param_no.get(base) not in activation_params:
-                continue
-            kept.add(key)
+            # a tuple operand (a checkpoint's optimization barrier over its residuals and
+            # the cotangents) is read element by element
+            for key in _flat(buffer.get(o, o)):
+                base = key[0] if isinstance(key, tuple) else key
+                if base in depends or ops.get(base) == "constant" or base not in reads_input:
+                    continue
+                if ops.get(base) == "parameter" and param_no.get(base) not in activation_params:
+                    continue
+                kept.add(key)
     return int(sum(size.get(k, 0) for k in kept))
 
 

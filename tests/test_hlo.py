@@ -70,6 +70,29 @@ def test_a_compiled_layer_keeps_its_matmul_output_not_the_tanh():
     assert hlo.kept_bytes(text, activation_params=set(), cotangent_params={2}) == act
 
 
+
+def test_a_compiled_checkpoint_keeps_what_its_policy_names_at_its_own_width():
+    """A checkpoint's residuals reach its backward through one optimization barrier over
+    a tuple (with the cotangent in it): read element by element, XLA keeps the named dot
+    output and the input. A bfloat16 dot, which XLA:CPU runs in float32, is kept at
+    bfloat16 width across the barrier (docs/jax-facts.md, fact 17); the float32 one at
+    its own. Before the tuple was read, the kept bytes of a checkpoint read as 0."""
+    def layer(x, w1, w2):
+        a = jnp.dot(x.astype(w1.dtype), w1)
+        return jnp.dot(jax.nn.silu(a), w2).astype(jnp.float32)
+
+    f = jax.checkpoint(lambda x, w1, w2: [layer(x, w1, w2)],
+                       policy=jax.checkpoint_policies.dots_saveable)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+        w1 = jax.ShapeDtypeStruct((32, 128), dtype)
+        w2 = jax.ShapeDtypeStruct((128, 32), dtype)
+        both = jax.jit(lambda a, ct: vjp_wrt(f, a, (0, 1, 2))[1](ct), keep_unused=True)
+        text = both.lower([x, w1, w2], [x]).compile(measure_compiler_options()).as_text()
+        assert "opt-barrier" in text
+        kept = hlo.kept_bytes(text, activation_params={0}, cotangent_params={3})
+        assert kept == 64 * 32 * 4 + 64 * 128 * jnp.dtype(dtype).itemsize, (dtype, kept)
+
 def test_a_compiled_embedding_keeps_nothing_of_its_scatter_s_zeros():
     """An embedding lookup's backward scatter-adds into zeros that XLA broadcasts from a
     constant and, compiled with the forward, reads from outside the backward: they are
