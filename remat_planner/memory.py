@@ -1039,13 +1039,16 @@ def residuals(f, in_avals, wrt) -> list[Residual]:
 
 
 def narrow_dots_kept_wide() -> bool:
-    """Whether XLA keeps a bfloat16/float16 dot's result for the backward in float32.
+    """Whether the model sizes a kept bfloat16/float16 dot's result at float32 width.
 
-    XLA:CPU runs such dots in float32 on converted operands and fuses the conversion of
-    the result into its consumers, so the buffer a checkpoint or a scan keeps is the
-    float32 result (measured: every stacked residual of a scanned bf16 llama is f32;
-    sizing them at bf16 put `dots` plans 2-4 MiB under XLA on the tiny llama and ~10 GiB
-    under it on llama-1b). Accelerators with native bf16 dots keep the narrow result."""
+    XLA:CPU runs such dots in float32 on converted operands. Sizing their kept results
+    at float32 was measured right on the scanned bf16 llama (sized at bf16, `dots` plans
+    were 2-4 MiB under XLA on the tiny llama and ~10 GiB under it on llama-1b). A flat
+    checkpoint keeps them at bf16 width across its optimization barrier
+    (docs/jax-facts.md, fact 17): there the float32 sizing over-counts them, which on
+    the bf16 models measured offsets the parameter copies the model leaves out (fact 6);
+    sized at bf16 their plans went from mixed errors to all under XLA, so it stays until
+    the copies are charged. Accelerators with native bf16 dots keep the narrow result."""
     return jax.default_backend() == "cpu"
 
 

@@ -34,6 +34,10 @@ Everything is compiled on abstract shapes (nothing allocated) and read from XLA'
 16. A stored stage's forward holds what it keeps with its workspace: the forward
    compiled alone frees what the step keeps, so its temp and the kept bytes overlap
    (hlo.forward_peak_bytes).
+17. A checkpoint keeps a bfloat16 dot's output at bfloat16 width across its
+   optimization barrier, though XLA:CPU runs the dot in float32 (hlo.kept_bytes reads
+   the barrier's tuple); the memory model still sizes it at float32 width
+   (memory.narrow_dots_kept_wide).
 """
 
 from __future__ import annotations
@@ -242,10 +246,11 @@ def fact_prevent_cse_in_scan() -> list[str]:
 def fact_parameter_copies() -> list[str]:
     """The donated AdamW step of fact 3's MLP (and of the residual layers of fact 1): the
     `copy` instructions of entry parameters in the optimized HLO, and where XLA's buffer
-    assignment put them."""
+    assignment put them; with `clip_by_global_norm` first, whose update waits for every
+    gradient, so every read of a weight in the backward comes before its update."""
     rows = []
     for label, residual in (("tanh(h @ W)", False), ("h + sin(tanh(h @ W) @ W.T)", True)):
-        for batch in (64, 4096):
+        for batch, clip in ((64, False), (4096, False), (64, True)):
             ws, x, layer = _mlp(8, 1024, batch, residual=residual)
 
             def loss(ws, x, layer=layer):
@@ -254,10 +259,11 @@ def fact_parameter_copies() -> list[str]:
                     h = layer(w, h)
                 return jnp.sum(h ** 2)
 
-            opt = optax.adamw(1e-3)
+            opt = (optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)) if clip
+                   else optax.adamw(1e-3))
             state = jax.eval_shape(opt.init, ws)
 
-            def step(ws, state, x, loss=loss):
+            def step(ws, state, x, loss=loss, opt=opt):
                 updates, state = opt.update(jax.grad(loss)(ws, x), state, ws)
                 return optax.apply_updates(ws, updates), state
 
@@ -272,7 +278,8 @@ def fact_parameter_copies() -> list[str]:
             copies = [name for name, src in re.findall(r"%(\S+) = \S+ copy\(%([^)]+)\)", entry)
                       if src in params]
             in_temp = sum(where.get(name) == "temp" for name in copies)
-            rows.append(f"| {label}, batch {batch} | {len(copies)} | {in_temp} | "
+            rows.append(f"| {label}, batch {batch}{', clip_by_global_norm' if clip else ''} | "
+                        f"{len(copies)} | {in_temp} | "
                         f"{len(copies) - in_temp} | "
                         f"{c.memory_analysis().temp_size_in_bytes / MIB:.1f} |")
     return ["| 8 layers of 1024 x 1024, donated AdamW step | parameters copied | copies in temp "
@@ -632,6 +639,44 @@ def fact_stored_forward_overlaps() -> list[str]:
             "kept + forward alone's temp |", "|---|---|---|---|---|", *rows_out]
 
 
+def fact_checkpoint_keeps_narrow_dots() -> list[str]:
+    """Layers `h + silu(h @ W1) @ W2` with bfloat16 dots on float32 activations and
+    weights, each checkpointed under `dots_saveable`: what one layer's checkpoint keeps
+    across XLA's optimization barrier (hlo.kept_bytes of its forward+backward), and what
+    one more layer adds to the temp of the whole gradient (8 layers against 4), against
+    the bytes of the bfloat16 dot output JAX names and of its float32 width."""
+    rows_out = []
+    d, f = 128, 512
+    for rows in (1024, 4096):
+        def layer(h, w1, w2):
+            a = jnp.dot(h.astype(jnp.bfloat16), w1.astype(jnp.bfloat16))
+            return h + jnp.dot(jax.nn.silu(a), w2.astype(jnp.bfloat16)).astype(jnp.float32)
+
+        ck = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable)
+        x = jax.ShapeDtypeStruct((rows, d), jnp.float32)
+        w1 = jax.ShapeDtypeStruct((d, f), jnp.float32)
+        w2 = jax.ShapeDtypeStruct((f, d), jnp.float32)
+
+        def fwd_bwd(x, w1, w2, ct):
+            return jax.vjp(ck, x, w1, w2)[1](ct)
+
+        text = _compile(fwd_bwd, x, w1, w2, x, options=REMAT_OPTION).as_text()
+        kept = hlo.kept_bytes(text, {0}, {3}) - rows * d * 4  # less the layer's input
+
+        def temp(n):
+            def loss(ws, h):
+                for a, b in ws:
+                    h = ck(h, a, b)
+                return jnp.sum(h * h)
+            ws = [(w1, w2)] * n
+            return _compile(jax.grad(loss), ws, x, options=REMAT_OPTION).memory_analysis().temp_size_in_bytes
+
+        per_layer = (temp(8) - temp(4)) // 4 - rows * d * 4
+        rows_out.append(f"| {rows} | {rows * f * 2:,} | {rows * f * 4:,} | {kept:,} | {per_layer:,} |")
+    return ["| rows | dot output, bfloat16 | at float32 width | kept across the barrier, one "
+            "layer | one more layer in the whole gradient |", "|---|---|---|---|---|", *rows_out]
+
+
 def main() -> None:
     print(f"jax {jax.__version__}, backend {jax.default_backend()}\n")
     for title, fact in (("1. The CPU compiler option", fact_cpu_option),
@@ -659,7 +704,9 @@ def main() -> None:
                         ("15. A max pooling's gradient is scattered into zeros made at the start",
                          fact_pooling_zeros_early),
                         ("16. A stored stage's forward holds what it keeps with its workspace",
-                         fact_stored_forward_overlaps)):
+                         fact_stored_forward_overlaps),
+                        ("17. A checkpoint keeps a bfloat16 dot's output at bfloat16 width",
+                         fact_checkpoint_keeps_narrow_dots)):
         print(f"## {title}\n")
         print("\n".join(fact()) + "\n", flush=True)
 

@@ -181,8 +181,9 @@ def test_bf16_activations_reach_the_memory_model():
     assert 0.4 < ratio < 0.8
 
 
-def test_kept_narrow_dot_outputs_are_sized_as_xla_cpu_keeps_them():
-    """XLA:CPU runs bf16 dots in float32 and keeps the float32 result for the backward:
+def test_kept_narrow_dot_outputs_are_sized_at_float32_width():
+    """The model's sizing on XLA:CPU, which runs bf16 dots in float32 (memory.
+    narrow_dots_kept_wide; docs/jax-facts.md, fact 17, for where XLA keeps them narrower):
     a kept bf16 dot output (tagged, inline, or out of a nested jit) costs 4 bytes an
     element; other bf16 residuals and float32 dots cost their own size."""
     from jax.ad_checkpoint import checkpoint_name
