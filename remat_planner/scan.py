@@ -195,7 +195,8 @@ def layer_body(eqn: Eqn) -> Body:
     program = _BodyProgram(tuple(flat.eqns), invars, len(invars), flat.consts, outvars,
                            flat.avals, None,
                            avals_out=tuple(v.aval for v in closed.jaxpr.outvars),
-                           n_consts=eqn.params["num_consts"], n_carry=eqn.params["num_carry"])
+                           n_consts=eqn.params["num_consts"], n_carry=eqn.params["num_carry"],
+                           calls=tuple(flat.calls))
     graph = build_graph(program)
     cuts = _sub_stage_cuts(program, graph)
     stages = tuple(Stage(lo, hi, stage_name(program, lo, hi),

@@ -21,6 +21,7 @@ from remat_planner.config import build_workload, load_config
 from remat_planner.errors import PlanMismatchError
 from remat_planner.memory import value_name
 from remat_planner.plan import DOTS_NO_BATCH, NOTHING, STORE, Segment
+from remat_planner.planner import plan_from_segments
 from remat_planner.trace import trace
 
 DEPTH, WIDTH, ROWS = 4, 32, 16
@@ -190,3 +191,53 @@ def test_nested_scan_is_the_plain_scan(groups):
     np.testing.assert_allclose(g1, g0, rtol=1e-5, atol=1e-7)
     jaxpr = jax.make_jaxpr(lambda w: run(w, grouped))(ws).jaxpr
     assert sum(p in CHECKPOINT for p, _ in _primitives(jaxpr)) == len(groups)
+
+
+def _embed_then_layers(params, ids):
+    """An embedding looked up with jnp.take (a nested jit in JAX's program), two tanh
+    layers, each in a jit of its own, and a mean."""
+    h = jnp.take(params["table"], ids, axis=0)
+    for w in params["layers"]:
+        h = jax.jit(lambda h, w: jnp.tanh(h @ w))(h, w)
+    return jnp.mean(h ** 2)
+
+
+def test_a_replayed_range_binds_the_nested_calls_it_holds_whole():
+    """The replay of a range emits each nested call it holds whole as the user's program
+    does (a `call` in the lowered step), not its equations one by one; a call holding a
+    value a checkpoint keeps by name is replayed as a jit of the same name, the value
+    named inside it."""
+    from remat_planner.trace import Call, steps
+
+    params = {"table": jax.ShapeDtypeStruct((64, 16), jnp.float32),
+              "layers": [jax.ShapeDtypeStruct((16, 16), jnp.float32)] * 2}
+    ids = jax.ShapeDtypeStruct((8,), jnp.int32)
+    program = trace(_embed_then_layers, params, ids)
+    assert len(program.calls) >= 3
+    whole = [s for s in steps(program, 0, len(program.eqns)) if isinstance(s, Call)]
+    assert {c.params["name"] for c in whole} >= {"_take", "<lambda>"}
+
+    an = rp.analyze(_embed_then_layers, params, ids, measure_xla=False, calibrate=False)
+    n = an.chain.n
+    user = jax.jit(_embed_then_layers).lower(params, ids).as_text()
+    assert "call @_take" in user
+    # the embedding stored, every later stage but the last checkpointed: under nothing,
+    # and keeping the dots, which are made inside the layers' jits
+    for rule in (NOTHING, DOTS_NO_BATCH):
+        options = [{o.name: o for o in st.options} for st in an.chain.stages]
+        segments = tuple(Segment(i, i + 1, rule, options[i][rule].saved)
+                         if 0 < i < n - 1 and rule in options[i] else
+                         Segment(i, i + 1, STORE if i in (0, n - 1) else NOTHING)
+                         for i in range(n))
+        assert rule == NOTHING or any(s.saved for s in segments)
+        plan = plan_from_segments(an, segments, 0, 0, params, ids)
+        planned = jax.jit(plan.apply(_embed_then_layers)).lower(params, ids).as_text()
+        assert "call @_take" in planned, rule
+        grads = [jax.grad(f)(real_params, real_ids) for f in (_embed_then_layers,
+                                                              plan.apply(_embed_then_layers))]
+        np.testing.assert_allclose(grads[0]["table"], grads[1]["table"], rtol=1e-5, atol=1e-6)
+
+
+real_params = {"table": jnp.linspace(-1.0, 1.0, 64 * 16).reshape(64, 16),
+               "layers": [jnp.eye(16) * 0.5 + 0.01, jnp.eye(16) * 0.3 - 0.02]}
+real_ids = jnp.arange(8) * 7 % 64

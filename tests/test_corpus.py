@@ -45,13 +45,10 @@ def _measure(m: corpus.CorpusModel, loss_fn) -> rp.Measurement:
 
 # (model, built-in) cases where one fresh rp.plan call does not yet fit the built-in's
 # peak and recompute no more, with what was measured (jax 0.10.2, 2-core CPU).
-KNOWN_MISSES: dict[tuple[str, str], str] = {
-    ("llama_rope", "dots_saveable"): (
-        "at the built-in's peak, 7,484,864 B, the plan recomputes 2.76% against 2.36%: the "
-        "planner's own rendition of dots per layer compiles to 7,487,936 B, 3,072 B more "
-        "temp than the user's nn.remat with the same live peak (6,435,360 B; its HLO has one "
-        "instruction more), and the model puts it 8.3% over XLA, so the loop ends elsewhere"),
-}
+KNOWN_MISSES: dict[tuple[str, str], str] = {}
+# (none since the replay binds the nested calls a range holds whole, trace.steps: the one
+# before, llama_rope under dots_saveable, 2.76% against 2.36% at the built-in's peak,
+# came from the planner's flat replay of the embedding's jnp.take, 3,072 B more temp)
 # The slow checks of these models run from tests/test_corpus_b.py, a file of its own so
 # that `pytest -n 2 --dist loadfile` runs the two halves side by side (measured at
 # b2f479d, seconds of slow test time per model: hf_gpt2 333, bert_encoder 228,
