@@ -30,7 +30,7 @@ from .graph import (CostGraph, definitions, jaxpr_bytes, jaxpr_flops, last_uses,
 from .plan import (DOTS, DOTS_NARROW, DOTS_NO_BATCH, NOTHING, KeepRule, NamesAnOption, Segment,
                    Store)
 from .policies import dot_is_narrow
-from .trace import Literal, Program, eval_range, nbytes
+from .trace import Literal, Program, eval_eqn, eval_range, nbytes
 from .sharding import per_device_fixed, update_jit_kwargs
 
 CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
@@ -658,15 +658,22 @@ def stage_io(program: Program, start: int, stop: int, last=None, defs=None):
 
 def make_segment_fn(program: Program, start: int, stop: int, ins, outs,
                     tag: Sequence[int] = ()) -> Callable:
-    """A function of `ins` values returning `outs` values that replays [start, stop);
-    values in `tag` are wrapped in checkpoint_name so a policy can keep them. The
-    program's constants are closed over, not arguments (stage_io)."""
+    """A function of `ins` values returning `outs` values that replays [start, stop)
+    equation by equation (nested calls inlined, as a checkpointed region replays); values
+    in `tag` are wrapped in checkpoint_name so a policy can keep them. The program's
+    constants are closed over, not arguments (stage_io)."""
     tag = frozenset(tag)
 
     def fn(*args):
         env = program.region_env(ins, args)
-        eval_range(program, start, stop, env, tag,
-                   lambda v, x: checkpoint_name(x, value_name(v)))
+        if tag:
+            for e in program.eqns[start:stop]:
+                eval_eqn(e, env)
+                for v in e.outvars:
+                    if v in tag:
+                        env[v] = checkpoint_name(env[v], value_name(v))
+        else:
+            eval_range(program, start, stop, env, calls=False)
         return [env[v] for v in outs]
 
     return fn

@@ -117,11 +117,6 @@ class Program:
         return {k: tuple(sorted(v, key=lambda ci: ci[0].lo - ci[0].hi)) for k, v in out.items()}
 
     @functools.cached_property
-    def calls_inner(self) -> dict[int, frozenset[int]]:
-        """id(call) -> the ids of the values its equations make."""
-        return {id(c): c.inner(self.eqns) for c in self.calls}
-
-    @functools.cached_property
     def aux_outputs(self) -> frozenset[int]:
         """Aux outputs computed by the step (not arguments passed through): returned by
         the step, so live from their definition to its end, like fixed memory."""
@@ -350,17 +345,13 @@ def eval_call(call: Call, env: dict) -> None:
             env[vid] = val
 
 
-def steps(program: Program, lo: int, hi: int, within: Call | None = None):
-    """The equations [lo, hi) as they are replayed: a nested call held whole in the range
-    as one Call (the outermost; not `within`, the call being replayed), the rest as Eqns.
-    Replaying the user's call, not its equations one by one, keeps XLA's compile of the
-    planned step the user's: replayed flat, the corpus Llama's `jnp.take` of its
-    embedding compiled to one fusion and 3,072 B of temp more than under the user's own
-    `nn.remat` per block."""
+def steps(program: Program, lo: int, hi: int):
+    """The equations [lo, hi) as eval_range replays them: a nested call held whole in the
+    range as one Call (the outermost), the rest as Eqns."""
     k = lo
     while k < hi:
-        call = next((c for c, _ in program.calls_at.get(k, ())
-                     if c.hi <= hi and c.hi > c.lo and c is not within), None)
+        call = next((c for c, _ in program.calls_at.get(k, ()) if c.hi <= hi and c.hi > c.lo),
+                    None)
         if call is not None:
             yield call
             k = call.hi
@@ -369,38 +360,19 @@ def steps(program: Program, lo: int, hi: int, within: Call | None = None):
             k += 1
 
 
-def eval_range(program: Program, lo: int, hi: int, env: dict, tag: frozenset[int] = frozenset(),
-               mark: Callable | None = None, within: Call | None = None) -> None:
-    """Evaluate equations [lo, hi) in place on `env`, the nested calls they hold whole as
-    the user's calls (steps). Values in `tag` are replaced by `mark(id, value)` where
-    they are made (a checkpoint_name): a call making one is replayed as a `jit` of the
-    same name over its equations, so that the value can be named inside it."""
-    for step in steps(program, lo, hi, within):
-        if not isinstance(step, Call):
-            eval_eqn(step, env)
-        elif tag and program.calls_inner[id(step)] & tag:
-            _eval_call_marked(program, step, env, tag, mark)
-        else:
+def eval_range(program: Program, lo: int, hi: int, env: dict, calls: bool = True) -> None:
+    """Evaluate equations [lo, hi) in place on `env`; with `calls`, each nested call they
+    hold whole is bound as the user's program binds it (steps), so that XLA compiles the
+    range as it compiles the user's: replayed flat, the corpus Llama's `jnp.take` of its
+    embedding compiled to one fusion and 3,072 B of temp more than the user's step under
+    its own `nn.remat` per block. Checkpointed regions replay flat (memory.
+    make_segment_fn), as the built-ins' comparison steps do (baselines.py)."""
+    if not calls:
+        for eqn in program.eqns[lo:hi]:
+            eval_eqn(eqn, env)
+        return
+    for step in steps(program, lo, hi):
+        if isinstance(step, Call):
             eval_call(step, env)
-        if tag:
-            for v in step.outvars:
-                if v is not None and v in tag:
-                    env[v] = mark(v, env[v])
-
-
-def _eval_call_marked(program: Program, call: Call, env: dict, tag, mark) -> None:
-    """A call holding tagged values, replayed as a `jit` named as the user's over its
-    equations with the values tagged."""
-    ids = [v for v in call.invars if not isinstance(v, Literal)]
-    outs = [v for v in call.outvars if v is not None]
-
-    def replay(*args):
-        inner = program.region_env(ids, args)
-        eval_range(program, call.lo, call.hi, inner, tag, mark, within=call)
-        return [inner[v] for v in outs]
-
-    replay.__name__ = replay.__qualname__ = str(call.params.get("name", "replay"))
-    fn = jax.jit(replay, inline=bool(call.params.get("inline", False)),
-                 keep_unused=bool(call.params.get("keep_unused", False)))
-    with call.ctx.manager:
-        env.update(zip(outs, fn(*[env[v] for v in ids])))
+        else:
+            eval_eqn(step, env)

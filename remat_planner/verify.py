@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 import time
 from typing import Callable, Sequence
 
@@ -80,70 +79,7 @@ def _lowered_step(step: Step, params, batch):
 
 
 def _digest(lowered) -> str:
-    return hashlib.sha256(canonical_text(lowered.as_text(debug_info=False)).encode()).hexdigest()
-
-
-_FUNC = re.compile(r"^  func\.func (?:public |private )?@([\w.\-$]+)")
-_CALLEE = re.compile(r"(\bcall @|\bcallee = @)([\w.\-$]+)")
-
-
-def canonical_text(text: str) -> str:
-    """A lowered module's text with each private function named by its body's digest
-    (the functions it calls named the same way): one program outlined into differently
-    numbered or duplicated functions (a nested `jit` traced once and bound twice, or
-    traced once per call) reads the same. XLA inlines every call, so such programs
-    compile alike (the planner's replay names kept values inside re-traced calls)."""
-    lines = text.splitlines()
-    bodies: dict[str, list[str]] = {}
-    order: list[str] = []
-    outside: list[str] = []
-    name = None
-    for line in lines:
-        m = _FUNC.match(line)
-        if m:
-            name = m.group(1)
-            bodies[name] = []
-            order.append(name)
-        if name is None:
-            outside.append(line)
-            continue
-        bodies[name].append(line)
-        if line == "  }":
-            name = None
-    if not bodies:
-        return text
-    digests: dict[str, str] = {}
-
-    def digest(fn: str, seen=()) -> str:
-        if fn not in digests:
-            if fn in seen or fn not in bodies:  # recursion or an external symbol
-                return fn
-            body = "\n".join(bodies[fn][1:])
-            body = _CALLEE.sub(lambda m: m.group(1) + (digest(m.group(2), (*seen, fn))
-                                                       if m.group(2) in bodies else m.group(2)),
-                               body)
-            head = _FUNC.sub(lambda m: m.group(0).rsplit("@", 1)[0] + "@", bodies[fn][0])
-            digests[fn] = "f" + hashlib.sha256(f"{head}\n{body}".encode()).hexdigest()[:16]
-        return digests[fn]
-
-    out = list(outside)
-    emitted = set()
-    for fn in order:
-        public = " public " in bodies[fn][0] or fn == "main"
-        key = fn if public else digest(fn)
-        if key in emitted:
-            continue
-        emitted.add(key)
-        text_fn = "\n".join(bodies[fn])
-        text_fn = _CALLEE.sub(lambda m: m.group(1) + (digest(m.group(2)) if m.group(2) in bodies
-                                                      else m.group(2)), text_fn)
-        if not public:
-            text_fn = _FUNC.sub(lambda m: m.group(0).rsplit("@", 1)[0] + "@" + key, text_fn, count=1)
-        out.append(text_fn)
-    # private functions in a fixed order (by digest), the public ones where they were
-    head = [b for b in out if not b.lstrip().startswith("func.func private")]
-    private = sorted(b for b in out if b.lstrip().startswith("func.func private"))
-    return "\n".join(head + private)
+    return hashlib.sha256(lowered.as_text(debug_info=False).encode()).hexdigest()
 
 
 def step_digest(loss_fn: Callable, params, batch, optimizer=None, has_aux: bool = False,

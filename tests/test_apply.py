@@ -203,10 +203,10 @@ def _embed_then_layers(params, ids):
 
 
 def test_a_replayed_range_binds_the_nested_calls_it_holds_whole():
-    """The replay of a range emits each nested call it holds whole as the user's program
-    does (a `call` in the lowered step), not its equations one by one; a call holding a
-    value a checkpoint keeps by name is replayed as a jit of the same name, the value
-    named inside it."""
+    """The replay of a stored range emits each nested call it holds whole as the user's
+    program does (a `call` in the lowered step), not its equations one by one; the
+    checkpointed regions replay flat, under each keep rule (the built-ins' comparison
+    steps replay theirs the same way), with the gradients of the step as written."""
     from remat_planner.trace import Call, steps
 
     params = {"table": jax.ShapeDtypeStruct((64, 16), jnp.float32),

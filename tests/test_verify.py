@@ -192,28 +192,3 @@ def test_train_step_with_a_plan_trains_like_the_step_as_written():
     np.testing.assert_allclose(out_plan[2], out_plain[2], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(out_plan[0]), jax.tree.leaves(out_plain[0])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
-def _jitted(body):
-    def g(y):
-        return body(y) * 2.0
-    return jax.jit(g)
-
-
-def test_canonical_text_reads_one_program_outlined_two_ways_alike():
-    """A nested jit traced once and called twice, or traced once per call, lowers to one
-    private function or two differently numbered ones; XLA inlines both alike, and
-    canonical_text (what step digests hash) reads them the same. A different body does
-    not."""
-    from remat_planner.verify import canonical_text
-
-    x = jax.ShapeDtypeStruct((4, 4), jnp.float32)
-    once = _jitted(jnp.sin)
-    first, second, other = _jitted(jnp.sin), _jitted(jnp.sin), _jitted(jnp.cos)
-    texts = [jax.jit(f).lower(x).as_text(debug_info=False) for f in (
-        lambda v: once(v) + once(v + 1.0),
-        lambda v: first(v) + second(v + 1.0),
-        lambda v: first(v) + other(v + 1.0))]
-    assert texts[0] != texts[1]
-    assert canonical_text(texts[0]) == canonical_text(texts[1])
-    assert canonical_text(texts[1]) != canonical_text(texts[2])
