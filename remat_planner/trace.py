@@ -72,10 +72,6 @@ class Call:
     outvars: tuple  # an id per result of the call (None: a result nothing reads)
     ctx: Any
 
-    def inner(self, eqns) -> frozenset[int]:
-        """Ids of the values its equations make."""
-        return frozenset(v for e in eqns[self.lo:self.hi] for v in e.outvars)
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Program:
@@ -109,12 +105,12 @@ class Program:
         return self.aux_tree is not None
 
     @functools.cached_property
-    def calls_at(self) -> dict[int, tuple[tuple[Call, None], ...]]:
+    def calls_at(self) -> dict[int, tuple[Call, ...]]:
         """Equation index -> the calls starting there, outermost first."""
         out: dict[int, list] = {}
         for c in self.calls:
-            out.setdefault(c.lo, []).append((c, None))
-        return {k: tuple(sorted(v, key=lambda ci: ci[0].lo - ci[0].hi)) for k, v in out.items()}
+            out.setdefault(c.lo, []).append(c)
+        return {k: tuple(sorted(v, key=lambda c: c.lo - c.hi)) for k, v in out.items()}
 
     @functools.cached_property
     def aux_outputs(self) -> frozenset[int]:
@@ -321,9 +317,10 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}/{name}"
 
 
-def eval_eqn(eqn: Eqn, env: dict) -> None:
-    """Evaluate one equation on `env` (id -> value) by binding its primitive, as
-    jax.core.eval_jaxpr does; under a trace this re-emits the equation."""
+def eval_eqn(eqn: Eqn | Call, env: dict) -> None:
+    """Evaluate one equation, or a nested call as the user's program binds it, on `env`
+    (id -> value) by binding its primitive, as jax.core.eval_jaxpr does; under a trace
+    this re-emits it. A call's result nothing reads (outvar None) is dropped."""
     invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
     bind_params = eqn.primitive.get_bind_params(eqn.params)
     with eqn.ctx.manager:
@@ -331,16 +328,6 @@ def eval_eqn(eqn: Eqn, env: dict) -> None:
     if not eqn.primitive.multiple_results:
         ans = [ans]
     for vid, val in zip(eqn.outvars, ans):
-        env[vid] = val
-
-
-def eval_call(call: Call, env: dict) -> None:
-    """Bind a nested call as the user's program does, on `env` (id -> value)."""
-    invals = [v.val if isinstance(v, Literal) else env[v] for v in call.invars]
-    bind_params = call.primitive.get_bind_params(call.params)
-    with call.ctx.manager:
-        ans = call.primitive.bind(*invals, **bind_params)
-    for vid, val in zip(call.outvars, ans):
         if vid is not None:
             env[vid] = val
 
@@ -350,8 +337,7 @@ def steps(program: Program, lo: int, hi: int):
     range as one Call (the outermost), the rest as Eqns."""
     k = lo
     while k < hi:
-        call = next((c for c, _ in program.calls_at.get(k, ()) if c.hi <= hi and c.hi > c.lo),
-                    None)
+        call = next((c for c in program.calls_at.get(k, ()) if c.lo < c.hi <= hi), None)
         if call is not None:
             yield call
             k = call.hi
@@ -372,7 +358,4 @@ def eval_range(program: Program, lo: int, hi: int, env: dict, calls: bool = True
             eval_eqn(eqn, env)
         return
     for step in steps(program, lo, hi):
-        if isinstance(step, Call):
-            eval_call(step, env)
-        else:
-            eval_eqn(step, env)
+        eval_eqn(step, env)
