@@ -38,6 +38,11 @@ Everything is compiled on abstract shapes (nothing allocated) and read from XLA'
    optimization barrier, though XLA:CPU runs the dot in float32 (hlo.kept_bytes reads
    the barrier's tuple); the memory model still sizes it at float32 width
    (memory.narrow_dots_kept_wide).
+18. In a step without remat, a residual convolution block's input, which its backward
+   reads only in elementwise fusions (the weight gradients read a transposed copy), is
+   recomputed from the block before's buffers, not held: one input less per block than
+   the block compiled alone keeps; the memory model still charges it (tests/
+   test_corpus.py, MODEL_ERROR_OUT's cnn_bn plans).
 """
 
 from __future__ import annotations
@@ -677,6 +682,58 @@ def fact_checkpoint_keeps_narrow_dots() -> list[str]:
             "layer | one more layer in the whole gradient |", "|---|---|---|---|---|", *rows_out]
 
 
+def fact_stored_conv_input_recomputed() -> list[str]:
+    """Residual blocks `relu(norm(conv(relu(norm(conv(x, W1))), W2)) + x)` (norm: a batch
+    normalisation's centring and scaling, no weights), with 3 x 3 convolutions and, for
+    comparison, the same blocks with the convolutions written as dots over the channels:
+    what one block compiled alone (forward and backward) keeps for its backward, its
+    input counted (hlo.kept_bytes), against what one more block adds to the temp of the
+    whole gradient without remat (8 blocks against 4), in block inputs' bytes."""
+    rows_out = []
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def norm(z):
+        s = z - jnp.mean(z, axis=(0, 1, 2))
+        return s * jax.lax.rsqrt(jnp.mean(s * s, axis=(0, 1, 2)) + 1e-5)
+
+    def conv_block(x, w1, w2):
+        return jax.nn.relu(norm(conv(jax.nn.relu(norm(conv(x, w1))), w2)) + x)
+
+    def dot_block(x, w1, w2):
+        return jax.nn.relu(norm(jax.nn.relu(norm(x @ w1)) @ w2) + x)
+
+    for images, side, c in ((4, 32, 16), (8, 32, 32)):
+        x = jax.ShapeDtypeStruct((images, side, side, c), jnp.float32)
+        act = images * side * side * c * 4
+        for name, block, wshape in (("3 x 3 convolutions", conv_block, (3, 3, c, c)),
+                                    ("dots", dot_block, (c, c))):
+            w = jax.ShapeDtypeStruct(wshape, jnp.float32)
+
+            def fwd_bwd(x, w1, w2, ct, block=block):
+                return jax.vjp(block, x, w1, w2)[1](ct)
+
+            text = jax.jit(fwd_bwd, keep_unused=True).lower(x, w, w, x).compile(
+                REMAT_OPTION).as_text()
+            kept = hlo.kept_bytes(text, {0}, {3})
+
+            def temp(n, block=block, w=w):
+                def loss(ws, h):
+                    for w1, w2 in ws:
+                        h = block(h, w1, w2)
+                    return jnp.sum(h * h)
+                return _compile(jax.grad(loss), [(w, w)] * n, x,
+                                options=REMAT_OPTION).memory_analysis().temp_size_in_bytes
+
+            per_block = (temp(8) - temp(4)) / 4
+            rows_out.append(f"| {images} x {side} x {side} x {c} | {name} | {kept / act:.3f} | "
+                            f"{per_block / act:.3f} |")
+    return ["| block input | block | kept by one block compiled alone | one more block in "
+            "the whole gradient |", "|---|---|---|---|", *rows_out]
+
+
 def main() -> None:
     print(f"jax {jax.__version__}, backend {jax.default_backend()}\n")
     for title, fact in (("1. The CPU compiler option", fact_cpu_option),
@@ -706,7 +763,9 @@ def main() -> None:
                         ("16. A stored stage's forward holds what it keeps with its workspace",
                          fact_stored_forward_overlaps),
                         ("17. A checkpoint keeps a bfloat16 dot's output at bfloat16 width",
-                         fact_checkpoint_keeps_narrow_dots)):
+                         fact_checkpoint_keeps_narrow_dots),
+                        ("18. A stored convolution block's input is recomputed, not held",
+                         fact_stored_conv_input_recomputed)):
         print(f"## {title}\n")
         print("\n".join(fact()) + "\n", flush=True)
 
