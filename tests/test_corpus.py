@@ -192,7 +192,8 @@ MODEL_ERROR_OUT: dict[tuple[str, str], str] = {
     ("scan_lm", "solve0.25"): "-4.50%",
     ("scan_lm", "solve0.5"): "-5.62%",
     # a stored residual conv-BatchNorm block's input, recomputed by XLA from the block
-    # before's buffers instead of held, is charged in full
+    # before's buffers instead of held, is charged in full (docs/jax-facts.md, fact 18:
+    # the four blocks' inputs are 917,504 B of the stored plan's 1,176,840 B over)
     ("cnn_bn", "store"): "+17.24%",
     ("cnn_bn", "ckpt"): "+5.34%",
     ("cnn_bn", "block1"): "+3.89%",
