@@ -41,8 +41,8 @@ Everything is compiled on abstract shapes (nothing allocated) and read from XLA'
 18. In a step without remat, a residual convolution block's input, which its backward
    reads only in elementwise fusions (the weight gradients read a transposed copy), is
    recomputed from the block before's buffers, not held: one input less per block than
-   the block compiled alone keeps; the memory model still charges it (tests/
-   test_corpus.py, MODEL_ERROR_OUT's cnn_bn plans).
+   the block compiled alone keeps; the memory model still charges it
+   (tests/test_corpus.py, MODEL_ERROR_OUT's cnn_bn plans).
 """
 
 from __future__ import annotations
@@ -715,8 +715,7 @@ def fact_stored_conv_input_recomputed() -> list[str]:
             def fwd_bwd(x, w1, w2, ct, block=block):
                 return jax.vjp(block, x, w1, w2)[1](ct)
 
-            text = jax.jit(fwd_bwd, keep_unused=True).lower(x, w, w, x).compile(
-                REMAT_OPTION).as_text()
+            text = _compile(fwd_bwd, x, w, w, x, options=REMAT_OPTION).as_text()
             kept = hlo.kept_bytes(text, {0}, {3})
 
             def temp(n, block=block, w=w):

@@ -216,8 +216,7 @@ def test_nested_scheme_recomputes_one_more_forward_per_level_by_xla(analysis, sc
 @pytest.mark.xfail(strict=True, reason=(
     "the model puts the nested scheme at 5,581,999 B where XLA puts it at 6,387,088 B "
     "(above the flat scheme's 5,764,296 B, which the calibrated model puts to the byte): "
-    "-12.6% on "
-    "`scan:4xnothing|nothing/2`. XLA's own live-range report puts the most bytes live at "
+    "-12.6% on `scan:4xnothing|nothing/2`. XLA's own live-range report puts the most bytes live at "
     "once lower nested (5,202,224 B) than flat (5,259,056 B), as the model does, while "
     "its allocations grow by 622,904 B: the miss is in how XLA packs buffers into "
     "allocations (or in buffers that report leaves out), not a buffer the report shows"))
