@@ -661,6 +661,7 @@ def _stages_and_blocks(program: Program, graph: nx.DiGraph, max_stages: int):
     n = len(program.eqns)
     flops = [graph.nodes[("eqn", i)]["flops"] for i in range(n)]
     groups = find_blocks(program, flops, crossing_bytes(program, graph))
+    units = unit_groups(program, groups, flops)
     counted = _activations(program) - _shared_by_copies(program, groups) - program.aux_outputs
     crossing = crossing_bytes(program, graph, counted)
     largest = _largest_crossing_value(program, graph, n, counted)
@@ -686,7 +687,7 @@ def _stages_and_blocks(program: Program, graph: nx.DiGraph, max_stages: int):
             others.append(k)
         elif k in passing and crossing[k] - passing[k] <= STREAM_RATIO * largest_local[k]:
             others.append(k)
-    protected = sorted({c for g in groups for r in g.ranges for c in r} - {0, n})
+    protected = sorted({c for g in (*groups, *units) for r in g.ranges for c in r} - {0, n})
     cuts = _limit_cuts(exact, block_cuts, protected, others, crossing, n, max_stages - 1)
     cuts = _merge_trivial(cuts, flops, n, frozenset(protected))
     cuts = drop_split_readers(program, cuts, counted, frozenset(protected))
@@ -697,7 +698,36 @@ def _stages_and_blocks(program: Program, graph: nx.DiGraph, max_stages: int):
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         stages.append(Stage(lo, hi, stage_name(program, lo, hi), float(sum(flops[lo:hi])),
                             stage_bytes(graph, lo, hi)))
-    return tuple(stages), groups
+    return tuple(stages), (*groups, *units)
+
+
+def unit_groups(program: Program, groups, flops) -> tuple[BlockGroup, ...]:
+    """Per group whose block is itself two or more consecutive copies of a smaller unit
+    up to shapes (_shape_free_tokens), the group of those units, in every copy.
+
+    Structure cannot tell which of the two the user wraps in `nn.remat`: a U-Net's conv
+    block is two conv-norm-activation units at two widths, a DenseNet's dense block
+    three dense layers each reading a wider concatenation, and the same token pattern
+    is either. find_blocks takes the longer; the units' boundaries are cut too and
+    their copies are blocks of their own (graph.block_stages), so that either choice,
+    and every mix, is in the plan space. A unit carries at least MIN_BLOCK_FLOPS_SHARE
+    of the program's FLOPs, as a block does."""
+    shape_free = _shape_free_tokens(program)
+    prefix = np.concatenate([[0.0], np.cumsum(flops)])
+    floor = MIN_BLOCK_FLOPS_SHARE * prefix[-1]
+    out = []
+    for g in groups:
+        p = g.length
+        for q in range(1, p // 2 + 1):
+            if p % q:
+                continue
+            starts = tuple(s + j * q for s in g.starts for j in range(p // q))
+            first = shape_free[g.starts[0]:g.starts[0] + q]
+            if all(np.array_equal(shape_free[s:s + q], first)
+                   and prefix[s + q] - prefix[s] >= floor for s in starts):
+                out.append(BlockGroup(starts, q))
+                break
+    return tuple(out)
 
 
 def _returns_scalar(program: Program) -> bool:

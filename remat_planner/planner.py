@@ -730,9 +730,16 @@ def per_block_plans(an: Analysis) -> list[tuple[Segment, ...]]:
     groups = [g for g in groups if g]
     if not groups and chain.spans:  # a chain built without the graph's groups
         groups = [{a: (c, p) for a, c, p in chain.spans}]
-    choices = [{k: v for g in groups for k, v in g.items()}]
+    # Every group's copies at once, but a group nested in one before it (its units:
+    # graph.unit_groups) only where that one took nothing
+    union: dict = {}
+    for g in groups:
+        for a, (c, profile) in g.items():
+            if not any(a < hi and lo < c for lo, (hi, _) in union.items()):
+                union[a] = (c, profile)
+    choices = [dict(sorted(union.items()))]
     if len(groups) > 1:
-        choices += groups
+        choices += [g for g in groups if g != choices[0]]
     scans = {k: s for k, s in enumerate(chain.stages)
              if any(isinstance(o.kind, ScanOption) for o in s.options)}
     plans = []
