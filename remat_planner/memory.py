@@ -258,6 +258,58 @@ def carried_values(program: Program, cost: CostGraph) -> dict[int, tuple[int, in
     return out
 
 
+def shared_differentiated(program: Program, cost: CostGraph) -> dict[int, tuple[int, int, int, int]]:
+    """Differentiated values that two or more copies of a repeated block read, computed
+    before them: a Perceiver's input array every block cross-attends to, an encoder's
+    output every decoder block reads. Per value id: (the stage defining it, the first and
+    the last stage reading it, its bytes).
+
+    Each is one buffer, held from its definition until the backward of the first stage
+    reading it, as a carried value is (carried_values); profiled as a stage's input, it
+    would count once in the keep of every stage reading it (the Perceiver's four
+    cross-attention stages). Its cotangent is one buffer too, accumulated from the
+    backward of the last stage reading it to that of the stage defining it
+    (with_shared_cotangents)."""
+    varying = varying_values(program)
+    skip = program.free | program.aux_outputs
+    stage_of = np.zeros(len(program.eqns), dtype=np.int64)
+    for k, st in enumerate(cost.stages):
+        stage_of[st.start:st.stop] = k
+    copy_of = {}
+    for group in cost.blocks:
+        for j, (a, c) in enumerate(group):
+            for k in range(a, c):
+                copy_of.setdefault(k, (id(group), j))
+    defined = {v: int(stage_of[i]) for i, e in enumerate(program.eqns) for v in e.outvars
+               if isinstance(v, int) and v in varying and v not in skip}
+    out = {}
+    for v, uses in sorted(value_uses(program).items()):
+        if v not in defined:
+            continue
+        readers = sorted({int(stage_of[u]) for u in uses} - {defined[v]})
+        copies = {copy_of[k] for k in readers if k in copy_of}
+        groups = {g for g, _ in copies}
+        if readers and any(sum(1 for c in copies if c[0] == g) >= 2 for g in groups):
+            out[v] = (defined[v], readers[0], readers[-1], program.nbytes(v))
+    return out
+
+
+def with_shared_cotangents(chain: "ChainModel",
+                           shared: dict[int, tuple[int, int, int, int]]) -> "ChainModel":
+    """The chain with the cotangent of each shared differentiated value
+    (shared_differentiated) live in the backward of every segment ending at a cut k after
+    its defining stage and at or before its last reader (ChainModel.carried_bwd): summed
+    there from its readers' backwards, read by its defining stage's."""
+    if not shared:
+        return chain
+    base = chain.carried_bwd or (0,) * (chain.n + 1)
+    extra = [sum(b for d, _, last, b in shared.values() if d < k <= last)
+             for k in range(chain.n + 1)]
+    fwd = chain.carried_fwd or (0,) * (chain.n + 1)
+    return dataclasses.replace(chain, carried_fwd=tuple(fwd),
+                               carried_bwd=tuple(int(x + y) for x, y in zip(base, extra)))
+
+
 def with_carried_values(chain: "ChainModel",
                         carried: dict[int, tuple[int, int, int]]) -> "ChainModel":
     """The chain with the `carried` values (carried_values) live where XLA holds them:

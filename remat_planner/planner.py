@@ -27,7 +27,8 @@ from .graph import CostGraph, build_cost_graph
 from .graph import jaxpr_bytes, jaxpr_flops
 from .memory import (ChainModel, FixedMemory, StageProfile, carried_values, fixed_memory,
                      per_parameter_update, profile_stages, scale_chain, scaled_workspace,
-                     simulate, stage_gradient_bytes, table_gradient_bytes, with_carried_values,
+                     shared_differentiated, simulate, stage_gradient_bytes, table_gradient_bytes,
+                     with_carried_values, with_shared_cotangents,
                      with_gradient_timeline, with_pooling_indices, with_pooling_zeros,
                      with_random_bits,
                      weighted_chain, with_gathered_weights, with_stage_gradients,
@@ -183,9 +184,13 @@ def analyze(loss_fn: Callable, params, batch, optimizer=None, *, measure_xla: bo
         # charged along the step, not per region (docs/jax-facts.md, fact 11); a sharded
         # step keeps them in its boundaries (one device's share, scale_chain)
         carried = carried_values(program, cost) if spec is None else {}
+        # differentiated values every copy of a block reads (an encoder's output): one
+        # buffer the same way, and one for their cotangent (shared_differentiated)
+        shared = shared_differentiated(program, cost) if spec is None else {}
+        carried |= {v: (d, first, b) for v, (d, first, _, b) in shared.items()}
         chain = profile_stages(program, cost, measure_xla=measure_xla, progress=say,
                                pinned=pinned, profiles=profiles, carried=frozenset(carried))
-        chain = with_carried_values(chain, carried)
+        chain = with_shared_cotangents(with_carried_values(chain, carried), shared)
         if spec is not None:  # one device's share of the batch (calibration fits the rest)
             chain = scale_chain(chain, batch_share(spec))
             chain = with_gathered_weights(chain, program, cost,

@@ -239,12 +239,17 @@ MODEL_ERROR_OUT: dict[tuple[str, str], str] = {
     ("albert_shared", "solve0"): "-13.00%",
     ("albert_shared", "solve0.75"): "+3.40%",
     ("albert_shared", "solve0.95"): "+7.65%",
-    ("t5_encdec", "ckpt"): "-10.77%",
-    ("t5_encdec", "block0"): "+3.62%",
-    ("t5_encdec", "block3"): "-7.61%",
-    ("t5_encdec", "block5"): "-5.38%",
-    ("t5_encdec", "block6"): "-3.48%",
-    ("t5_encdec", "solve0"): "-4.25%",
+    # measured once the encoder output every decoder block reads counts once
+    # (memory.shared_differentiated): each plan 2-4% lower than when every reading
+    # stage kept it (ckpt -10.77%, block0 +3.62%, solve0 -4.25% then)
+    ("t5_encdec", "ckpt"): "-13.02%",
+    ("t5_encdec", "block3"): "-11.16%",
+    ("t5_encdec", "block5"): "-8.01%",
+    ("t5_encdec", "block6"): "-6.52%",
+    ("t5_encdec", "block8"): "-4.96%",
+    ("t5_encdec", "solve0"): "-7.67%",
+    ("t5_encdec", "solve0.25"): "-5.90%",
+    ("t5_encdec", "solve0.5"): "-4.59%",
     ("plain_scan", "solve0.25"): "-4.00%",
     ("plain_scan", "solve0.5"): "-3.01%",
 }
