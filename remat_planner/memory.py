@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+from collections import Counter
 from typing import Callable, ClassVar, Sequence
 
 import jax
@@ -241,16 +242,7 @@ def carried_values(program: Program, cost: CostGraph) -> dict[int, tuple[int, in
     forward, and in its backward or its recomputation, which run before that one's
     (docs/jax-facts.md, fact 11). Counted in the boundaries and in the keep of every
     region it enters, a mask passed into n blocks would count n times."""
-    varying = varying_values(program)
-    skip = program.free | program.aux_outputs
-    stage_of = np.zeros(len(program.eqns), dtype=np.int64)
-    for k, st in enumerate(cost.stages):
-        stage_of[st.start:st.stop] = k
-    defined: dict[int, int] = {}
-    for i, e in enumerate(program.eqns):
-        for v in e.outvars:
-            if isinstance(v, int) and v not in varying and v not in skip:
-                defined[v] = int(stage_of[i])
+    stage_of, defined = _stage_definitions(program, cost, differentiated=False)
     out = {}
     for v, uses in sorted(value_uses(program).items()):  # equations reading v, in order
         if v in defined and int(stage_of[uses[-1]]) > defined[v]:
@@ -270,28 +262,34 @@ def shared_differentiated(program: Program, cost: CostGraph) -> dict[int, tuple[
     cross-attention stages). Its cotangent is one buffer too, accumulated from the
     backward of the last stage reading it to that of the stage defining it
     (with_shared_cotangents)."""
-    varying = varying_values(program)
-    skip = program.free | program.aux_outputs
-    stage_of = np.zeros(len(program.eqns), dtype=np.int64)
-    for k, st in enumerate(cost.stages):
-        stage_of[st.start:st.stop] = k
-    copy_of = {}
-    for group in cost.blocks:
+    stage_of, defined = _stage_definitions(program, cost, differentiated=True)
+    copy_of = {}  # stage -> (group, copy), the first group's where groups nest (units)
+    for g, group in enumerate(cost.blocks):
         for j, (a, c) in enumerate(group):
             for k in range(a, c):
-                copy_of.setdefault(k, (id(group), j))
-    defined = {v: int(stage_of[i]) for i, e in enumerate(program.eqns) for v in e.outvars
-               if isinstance(v, int) and v in varying and v not in skip}
+                copy_of.setdefault(k, (g, j))
     out = {}
     for v, uses in sorted(value_uses(program).items()):
         if v not in defined:
             continue
         readers = sorted({int(stage_of[u]) for u in uses} - {defined[v]})
-        copies = {copy_of[k] for k in readers if k in copy_of}
-        groups = {g for g, _ in copies}
-        if readers and any(sum(1 for c in copies if c[0] == g) >= 2 for g in groups):
+        copies = Counter(g for g, _ in {copy_of[k] for k in readers if k in copy_of})
+        if copies and max(copies.values()) >= 2:
             out[v] = (defined[v], readers[0], readers[-1], program.nbytes(v))
     return out
+
+
+def _stage_definitions(program: Program, cost: CostGraph, differentiated: bool):
+    """The stage of every equation, and per value computed in the step (not a weight,
+    batch or aux output) that is differentiated or not as asked, the stage defining it."""
+    varying = varying_values(program)
+    skip = program.free | program.aux_outputs
+    stage_of = np.zeros(len(program.eqns), dtype=np.int64)
+    for k, st in enumerate(cost.stages):
+        stage_of[st.start:st.stop] = k
+    defined = {v: int(stage_of[i]) for i, e in enumerate(program.eqns) for v in e.outvars
+               if isinstance(v, int) and (v in varying) == differentiated and v not in skip}
+    return stage_of, defined
 
 
 def with_shared_cotangents(chain: "ChainModel",

@@ -20,6 +20,7 @@ import optax
 import pytest
 
 import remat_planner as rp
+import image_classifier
 from remat_planner.constants import REUSE_TOLERANCE
 from remat_planner.graph import build_cost_graph
 from remat_planner.memory import shared_differentiated
@@ -57,17 +58,7 @@ class Perceiver(nn.Module):
 
 
 def _workload(policy=None):
-    model = Perceiver(policy=policy)
-    x = jax.ShapeDtypeStruct((4, 32, 32, 3), jnp.float32)
-    y = jax.ShapeDtypeStruct((4,), jnp.int32)
-    params = jax.eval_shape(lambda k: Perceiver().init(k, jnp.zeros(x.shape))["params"],
-                            jax.random.PRNGKey(0))
-
-    def loss_fn(p, images, labels):
-        logits = model.apply({"params": p}, images)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-    return loss_fn, params, (x, y)
+    return image_classifier.workload(Perceiver, policy)
 
 
 def test_the_input_array_is_one_shared_value():

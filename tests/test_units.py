@@ -19,6 +19,7 @@ import optax
 import pytest
 
 import remat_planner as rp
+import image_classifier
 from remat_planner.graph import build_cost_graph, find_blocks, unit_groups
 from remat_planner.planner import per_block_plans
 from remat_planner.trace import trace
@@ -52,17 +53,7 @@ class DenseNet(nn.Module):
 
 
 def _workload(policy=None):
-    model = DenseNet(policy=policy)
-    x = jax.ShapeDtypeStruct((4, 32, 32, 3), jnp.float32)
-    y = jax.ShapeDtypeStruct((4,), jnp.int32)
-    params = jax.eval_shape(lambda k: DenseNet().init(k, jnp.zeros(x.shape))["params"],
-                            jax.random.PRNGKey(0))
-
-    def loss_fn(p, images, labels):
-        logits = model.apply({"params": p}, images)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-    return loss_fn, params, (x, y)
+    return image_classifier.workload(DenseNet, policy)
 
 
 def _layer_of(program, lo: int, hi: int) -> set[str]:
